@@ -1,0 +1,21 @@
+"""Symbolic layer of gdngen: the chunk-form algebra of the linear-attention family.
+
+* :func:`derive` — decay factors of the chunk (WY/UT) form for a transition structure,
+  derived from products of per-token transitions (see :mod:`gdngen.algebra.chunk`);
+* :func:`transfer` — the inter-chunk affine map ``S_next = M S + N`` and :func:`compose`;
+* :func:`prove` — symbolic proof, on a small chunk, that the chunk form equals the recurrence;
+* :func:`decay_activation`, :func:`beta_activation` — gate parameterisations;
+* :func:`to_triton` — sympy -> Triton expression printer.
+"""
+from .chunk import (DECAYS, G_COL, G_LAST, G_ROW, ChunkAlgebra, Transfer, compose, derive,
+                    transfer, transition_factor)
+from .gates import A_LOG, B, DT_BIAS, X, beta_activation, decay_activation, sigmoid, softplus
+from .printer import LOG2_E, TritonPrinter, to_triton
+from .proof import ProofReport, prove
+
+__all__ = [
+    "DECAYS", "G_ROW", "G_COL", "G_LAST", "ChunkAlgebra", "derive", "transition_factor",
+    "Transfer", "transfer", "compose", "ProofReport", "prove",
+    "sigmoid", "softplus", "X", "A_LOG", "DT_BIAS", "B", "decay_activation", "beta_activation",
+    "TritonPrinter", "to_triton", "LOG2_E",
+]

@@ -1,0 +1,164 @@
+"""``gdngen`` command line: build | list | show | check | bench."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from gdngen.spec import SpecError, catalogue, load_spec
+
+
+def _spec_paths(names: list[str]) -> list[Path]:
+    """Accept spec file paths or bare catalogue names; none means the whole catalogue."""
+    if not names:
+        return catalogue()
+    paths = []
+    for name in names:
+        path = Path(name)
+        if not path.exists() and not name.endswith(".yaml"):
+            path = Path(__file__).resolve().parent.parent / "specs" / f"{name}.yaml"
+        paths.append(path)
+    return paths
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    """A one-line progress bar on stderr (kept plain: no dependency for it)."""
+    width = 24
+    done = int(width * i / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label[:48]:<48}")
+    if i == n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cmd_build(args) -> int:
+    from gdngen.render import build
+    for path in _spec_paths(args.specs):
+        target, changed = build(path, args.out)
+        print(f"{'wrote' if changed else 'unchanged'} {target}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from gdngen.plan import build_plan
+    print(f"{'spec':<18} {'decay':<7} {'delta':<6} {'backend':<10} function")
+    for path in catalogue():
+        spec = load_spec(path)
+        plan = build_plan(spec)
+        print(f"{spec.name:<18} {spec.transition.decay:<7} {str(spec.transition.delta):<6} "
+              f"{plan.backend:<10} {spec.chunk_function}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from gdngen.plan import build_plan
+    from gdngen.render import render_module
+    spec = load_spec(_spec_paths([args.spec])[0])
+    if args.code:
+        print(render_module(spec), end="")
+        return 0
+    plan = build_plan(spec)
+    print(f"spec {spec.name} (hash {spec.hash}) backend={plan.backend}")
+    for stage in plan.stages:
+        print(f"  stage {stage.name:<7} {stage.kernel:<22} {stage.purpose}")
+    for key, value in plan.exprs.items():
+        print(f"  expr {key:<20} {value}")
+    return 0
+
+
+def _ensure_backend() -> str:
+    """CUDA when present, else the Triton interpreter on CPU (set before triton is imported)."""
+    import torch
+    if torch.cuda.is_available():
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def _import_generated(spec, out_dir: str | None):
+    if out_dir:
+        sys.path.insert(0, str(Path(out_dir).resolve().parent))
+        return importlib.import_module(f"{Path(out_dir).name}.{spec.name}")
+    return importlib.import_module(f"generated.{spec.name}")
+
+
+def cmd_check(args) -> int:
+    from gdngen.render import is_stale
+    paths = _spec_paths(args.specs)
+    stale = [p for p in paths if is_stale(p, args.out)]
+    for p in stale:
+        print(f"stale: generated module for {p} differs from a fresh render (run: gdngen build {p})")
+    if args.stale:
+        if not stale:
+            print(f"generated/ is up to date with specs/ and templates/ ({len(paths)} specs)")
+        return 1 if stale else 0
+    if stale:
+        return 1
+    device = _ensure_backend()
+    from gdngen.selfcheck import self_check
+    failures = 0
+    for i, path in enumerate(paths):
+        spec = load_spec(path)
+        module = _import_generated(spec, args.out)
+        for row in self_check(spec, module, device):
+            status = "ok  " if row["ok"] else "FAIL"
+            failures += not row["ok"]
+            print(f"{status} {spec.name:<18} {row['case']:<44} rel_rmse o={row['o']:.2e} ht={row['ht']:.2e} "
+                  f"(tol {row['tol']:.0e})")
+    print(f"self-check on {device}: {'all passed' if not failures else f'{failures} failed'}")
+    return 1 if failures else 0
+
+
+def cmd_bench(args) -> int:
+    device = _ensure_backend()
+    from gdngen.selfcheck import bench_cases, time_call
+    spec = load_spec(_spec_paths([args.spec])[0])
+    module = _import_generated(spec, args.out)
+    cases = bench_cases(device)
+    rows = []
+    for i, case in enumerate(cases):
+        _progress(i, len(cases), f"{spec.name} {case}")
+        rows.append(time_call(spec, module, device, case))
+    _progress(len(cases), len(cases), "done")
+    print(f"{spec.chunk_function} on {device}{' (Triton interpreter: timings show only that it runs)' if device == 'cpu' else ''}")
+    print(f"{'B,T,H,HV,K,V':<26} {'dtype':<9} {'first call s':>12} {'median ms':>10} {'tokens/s':>12}")
+    for r in rows:
+        print(f"{r['case']:<26} {r['dtype']:<9} {r['first_s']:>12.2f} {r['ms']:>10.3f} {r['tokens_per_s']:>12.3g}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gdngen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="render specs into generated/ (all bundled specs when none given)")
+    p.add_argument("specs", nargs="*")
+    p.add_argument("--out", default=None, help="output folder (default: the repo's generated/)")
+    p.set_defaults(func=cmd_build)
+    p = sub.add_parser("list", help="the bundled catalogue")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("show", help="a spec's stage plan and printed expressions (or --code)")
+    p.add_argument("spec")
+    p.add_argument("--code", action="store_true", help="print the rendered module")
+    p.set_defaults(func=cmd_show)
+    p = sub.add_parser("check", help="generated/ up to date, then a self-check against the float64 reference")
+    p.add_argument("specs", nargs="*")
+    p.add_argument("--stale", action="store_true", help="only check that generated/ matches a fresh render")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("bench", help="time a generated chunk function on a few shapes")
+    p.add_argument("spec", nargs="?", default="gated_delta_rule")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(f"gdngen: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

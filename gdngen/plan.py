@@ -1,0 +1,152 @@
+"""The stage plan: the intermediate form between a validated Spec and the rendered module.
+
+A plan says which stage kernels the chunk forward runs, in which order, with which printed
+expressions from the algebra, and what the public API looks like.  It is plain data, so
+``gdngen show SPEC`` can print it and tests can inspect it without rendering anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+
+from gdngen import algebra
+from gdngen.spec import Spec
+
+# Names the stage templates give their block values; the printer maps algebra symbols onto them.
+_ROW_COL = {"g_row": "b_g[:, None]", "g_col": "b_g[None, :]"}
+_ROW = {"g_row": "b_g"}
+_COL = {"g_col": "b_g"}
+_UPDATE = {"g_last": "b_g_last", "g_col": "b_g"}
+_LAST = {"g_last": "b_g_last"}
+L2NORM_EPS = "1e-6"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str          # e.g. "wy"
+    template: str      # path under templates/
+    kernel: str        # the @triton.jit function it defines
+    purpose: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    backend: str                     # "triton": generated kernels; "reference": float64 fallback
+    stages: tuple[Stage, ...]
+    exprs: dict = field(default_factory=dict)     # printed Triton expressions for the templates
+    info: dict = field(default_factory=dict)      # spec summary the runtime validation reads
+    reason: str = ""                 # why the backend is "reference", when it is
+
+
+STAGES = {
+    "l2norm": Stage("l2norm", "stages/l2norm.py.j2", "_l2norm_fwd_kernel",
+                    "L2-normalise q and k rows (use_qk_l2norm_in_kernel)"),
+    "gates": Stage("gates", "stages/gates.py.j2", "_gates_fwd_kernel",
+                   "activate the gates; chunk-local cumsum of the log-decay"),
+    "wy": Stage("wy", "stages/wy.py.j2", "_wy_fwd_kernel",
+                "A = beta K K^T * decay, T = (I + A)^-1, W and U (delta rule)"),
+    "state": Stage("state", "stages/state.py.j2", "_state_fwd_kernel",
+                   "sequential pass over chunks: chunk-start states, final state, V_new"),
+    "output": Stage("output", "stages/output.py.j2", "_output_fwd_kernel",
+                    "outputs: inter-chunk (Q S) plus intra-chunk causal attention"),
+}
+
+
+def _print(expr, names: dict) -> str:
+    """Print an algebra expression with its symbols renamed to the template's block values."""
+    if expr is None:
+        return "None"
+    mapping = {sym: names[sym.name] for sym in expr.free_symbols}
+    return algebra.to_triton(expr, mapping)
+
+
+@lru_cache(maxsize=None)
+def build_plan(spec: Spec) -> Plan:
+    alg = algebra.derive(spec.transition.decay, spec.transition.delta)
+    t = spec.transition
+    info = {
+        "name": spec.name,
+        "decay": t.decay,
+        "delta": t.delta,
+        "chunk_sizes": list(spec.chunk.sizes),
+        "max_k": spec.heads.max_k,
+        "max_v": spec.heads.max_v,
+        "gva": spec.heads.gva,
+        "input_dtypes": list(spec.dtypes.inputs),
+        "gate_fused": "fused" in spec.gates.decay,
+        "beta_sigmoid": "sigmoid" in spec.gates.beta,
+        "neg_eigval": t.allow_neg_eigval,
+        "qk_l2norm": spec.qk_l2norm,
+    }
+    exprs = {
+        "score_decay": _print(alg.score_decay, _ROW_COL),
+        "query_state_decay": _print(alg.query_state_decay, _ROW),
+        "key_w_decay": _print(alg.key_w_decay, _COL),
+        "key_update_decay": _print(alg.key_update_decay, _UPDATE),
+        "state_decay": _print(alg.state_decay, _LAST),
+        "decay_activation": _print(algebra.decay_activation(),
+                                   {"x": "b_g", "A_log": "b_A_log", "dt_bias": "b_dt_bias"}),
+        "beta_activation": _print(algebra.beta_activation(False), {"b": "b_beta"}),
+        "beta_activation_neg": _print(algebra.beta_activation(True), {"b": "b_beta"}),
+        "l2norm_eps": L2NORM_EPS,
+        "gate_fused": info["gate_fused"],
+        "beta_sigmoid": info["beta_sigmoid"],
+    }
+    if alg.per_channel:
+        # The stage templates place decay factors per token row; per-key-channel decay needs the
+        # sub-chunked score kernels, which are not templated yet.
+        return Plan(spec=spec, backend="reference", stages=(), exprs=exprs, info=info,
+                    reason="per-key-channel decay has no generated chunk kernels yet; "
+                           "the float64 reference runs instead")
+    names = (["l2norm"] if spec.qk_l2norm else []) + ["gates"]
+    names += ["wy"] if t.delta else []
+    names += ["state", "output"]
+    return Plan(spec=spec, backend="triton", stages=tuple(STAGES[n] for n in names),
+                exprs=exprs, info=info)
+
+
+def public_api(plan: Plan) -> dict:
+    """Names, arguments and docstring facts of the generated public function."""
+    spec, info = plan.spec, plan.info
+    t = spec.transition
+    positional = ["q", "k", "v"] + (["g"] if t.decay != "none" else []) + (["beta"] if t.delta else [])
+    keywords = []
+    if spec.qk_l2norm:
+        keywords.append(("use_qk_l2norm_in_kernel", False))
+    if info["gate_fused"]:
+        keywords += [("use_gate_in_kernel", False), ("A_log", None), ("dt_bias", None)]
+    if info["beta_sigmoid"]:
+        keywords.append(("use_beta_sigmoid_in_kernel", False))
+    if info["neg_eigval"]:
+        keywords.append(("allow_neg_eigval", False))
+    if spec.normalize:
+        keywords.append(("normalize", True))
+    camel = "".join(part.capitalize() for part in spec.name.split("_"))
+    rule = {"none": "", "scalar": "exp(g_t) ", "vector": "diag(exp(g_t)) "}[t.decay]
+    if t.delta:
+        summary = f"Chunkwise {spec.name}: S_t = {rule}(I - beta_t k_t k_t^T) S_(t-1) + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)."
+    else:
+        summary = f"Chunkwise {spec.name}: S_t = {rule}S_(t-1) + k_t v_t^T, o_t = S_t^T (scale q_t)."
+    if plan.backend == "triton":
+        note = ("Forward: generated Triton kernels (compiled on CUDA, interpreted on CPU under "
+                "TRITON_INTERPRET=1). Backward: the float64 reference until generated backward kernels land.")
+    else:
+        note = f"Forward and backward: the float64 reference ({plan.reason})."
+    return {
+        "chunk_name": spec.chunk_function,
+        "fwd_name": f"{spec.chunk_function}_fwd",
+        "class_name": f"Chunk{camel}Function",
+        "positional": positional,
+        "keywords": keywords,
+        "has_g": t.decay != "none",
+        "has_beta": t.delta,
+        "l2norm": spec.qk_l2norm,
+        "gate_fused": info["gate_fused"],
+        "beta_sigmoid": info["beta_sigmoid"],
+        "neg_eigval": info["neg_eigval"],
+        "normalize": spec.normalize,
+        "summary": summary,
+        "backend_note": note,
+    }

@@ -1,0 +1,7 @@
+"""Host-side helpers shared by every generated module: validation, varlen tables, launch checks."""
+from gdngen.runtime.validate import Problem, validate_chunk_call
+from gdngen.runtime.varlen import chunk_tables
+from gdngen.runtime.launch import check_backend, contiguous, dot_precision, next_pow2
+
+__all__ = ["Problem", "validate_chunk_call", "chunk_tables", "check_backend", "contiguous",
+           "dot_precision", "next_pow2"]

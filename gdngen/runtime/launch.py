@@ -1,0 +1,34 @@
+"""Small decisions every launcher makes the same way."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def check_backend(x: torch.Tensor) -> None:
+    """Triton kernels run compiled on CUDA tensors, or under TRITON_INTERPRET=1 on CPU tensors."""
+    if x.device.type == "cuda":
+        return
+    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise ValueError(f"q: tensors on {x.device} need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors "
+                     "(set before triton is imported)")
+
+
+def contiguous(x):
+    """Copy only when the last dimension is strided (the kernels take row-major rows)."""
+    if x is None:
+        return None
+    if x.stride(-1) != 1 or not x.is_contiguous():
+        return x.contiguous()
+    return x
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to TF32 (about 3e-4 relative error) on the GPU."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,156 @@
+"""The one validation layer every generated public function calls before launching anything.
+
+Errors are ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape or
+value) and always name the offending argument together with the shapes involved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one call, after validation."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int              # number of sequences (B, or len(cu_seqlens) - 1)
+    varlen: bool
+
+
+def _tensor(name: str, x, *, ndim: int | None = None, floating: bool = True) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    return x
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(x.shape)}")
+
+
+def validate_chunk_call(
+    info: dict,
+    q, k, v, g=None, beta=None, *,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    chunk_size=None,
+    use_gate_in_kernel: bool = False,
+    A_log=None,
+    dt_bias=None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+) -> Problem:
+    """Check every argument of a generated ``chunk_*`` / ``fused_recurrent_*`` call.
+
+    ``info`` is the spec summary a generated module embeds: ``name``, ``decay``, ``delta``,
+    ``chunk_sizes``, ``max_k``, ``max_v``, ``gva``, ``input_dtypes``, ``gate_fused``,
+    ``beta_sigmoid``, ``neg_eigval``.
+    """
+    q = _tensor("q", q, ndim=4)
+    k = _tensor("k", k, ndim=4)
+    v = _tensor("v", v, ndim=4)
+    B, T, H, K = q.shape
+    _shape("k", k, (B, T, H, K), "must match q [B, T, H, K]")
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"v: expected shape ({B}, {T}, HV, V) to match q {tuple(q.shape)}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"v: the number of value heads HV={HV} must be a multiple of the q/k heads H={H}")
+    if HV != H and not info["gva"]:
+        raise ValueError(f"v: spec '{info['name']}' does not allow grouped value heads (HV={HV} != H={H})")
+    if not 1 <= K <= info["max_k"]:
+        raise ValueError(f"q: head dim K={K} outside the spec's range [1, {info['max_k']}]")
+    if not 1 <= V <= info["max_v"]:
+        raise ValueError(f"v: head dim V={V} outside the spec's range [1, {info['max_v']}]")
+
+    allowed = [_DTYPES[d] for d in info["input_dtypes"]]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in allowed:
+            raise TypeError(f"{name}: dtype {x.dtype} not among the spec's input dtypes {info['input_dtypes']}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    device = q.device
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if isinstance(x, torch.Tensor) and x.device != device:
+            raise ValueError(f"{name}: on {x.device}, expected the device of q ({device})")
+
+    decay, delta = info["decay"], info["delta"]
+    if decay == "none":
+        if g is not None:
+            raise ValueError(f"g: spec '{info['name']}' has no decay; pass g=None")
+    else:
+        if g is None:
+            raise ValueError(f"g: spec '{info['name']}' needs a log-decay g")
+        g = _tensor("g", g)
+        expected = (B, T, HV) if decay == "scalar" else (B, T, HV, K)
+        _shape("g", g, expected, "[B, T, HV]" if decay == "scalar" else "[B, T, HV, K]")
+    if delta:
+        if beta is None:
+            raise ValueError(f"beta: spec '{info['name']}' uses the delta rule and needs beta")
+        beta = _tensor("beta", beta)
+        _shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    elif beta is not None:
+        raise ValueError(f"beta: spec '{info['name']}' has no delta rule; pass beta=None")
+
+    if use_gate_in_kernel:
+        if not info["gate_fused"]:
+            raise ValueError(f"use_gate_in_kernel: spec '{info['name']}' has no fused gate")
+        if A_log is None:
+            raise ValueError("A_log: required with use_gate_in_kernel=True")
+        _shape("A_log", _tensor("A_log", A_log), (HV,), "[HV]")
+        if dt_bias is not None:
+            _shape("dt_bias", _tensor("dt_bias", dt_bias), (HV,), "[HV]")
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True")
+    if use_beta_sigmoid_in_kernel and not info["beta_sigmoid"]:
+        raise ValueError(f"use_beta_sigmoid_in_kernel: spec '{info['name']}' takes beta as given")
+    if allow_neg_eigval:
+        if not info["neg_eigval"]:
+            raise ValueError(f"allow_neg_eigval: spec '{info['name']}' does not allow negative eigenvalues")
+        if not use_beta_sigmoid_in_kernel:
+            raise ValueError("allow_neg_eigval: scales the in-kernel sigmoid; set use_beta_sigmoid_in_kernel=True")
+
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    if chunk_size is not None and chunk_size not in info["chunk_sizes"]:
+        raise ValueError(f"chunk_size: expected one of {list(info['chunk_sizes'])}, got {chunk_size!r}")
+
+    varlen = cu_seqlens is not None
+    if varlen:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens: expected a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+                            f"of shape {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen inputs are packed as B=1, got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens: expected at least two offsets [0, ..., T]")
+        host = cu_seqlens.tolist()
+        if host[0] != 0 or host[-1] != T:
+            raise ValueError(f"cu_seqlens: expected to start at 0 and end at T={T}, got {host[0]} .. {host[-1]}")
+        if any(b < a for a, b in zip(host, host[1:])):
+            raise ValueError("cu_seqlens: offsets must be non-decreasing")
+        N = len(host) - 1
+    else:
+        N = B
+
+    if initial_state is not None:
+        initial_state = _tensor("initial_state", initial_state)
+        _shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+    return Problem(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, varlen=varlen)

@@ -1,0 +1,123 @@
+"""Random inputs for a spec, the error metric, and the self-check / small benchmark of a built module.
+
+Tests, ``gdngen check`` and ``gdngen bench`` all draw inputs from :func:`make_inputs`, so what CI
+checks is what a user's self-check runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from gdngen import reference
+from gdngen.spec import Spec
+
+
+def rel_rmse(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """sqrt(mean((a - e)^2)) / sqrt(mean(e^2)); NaN anywhere in ``actual`` gives inf."""
+    a, e = actual.double(), expected.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    denom = e.pow(2).mean().sqrt().clamp_min(1e-30)
+    return ((a - e).pow(2).mean().sqrt() / denom).item()
+
+
+def make_inputs(spec: Spec, B=2, T=40, H=2, HV=4, K=16, V=16, *, dtype=torch.float32, device="cpu",
+                seed=0, lengths=None, h0=True, fused_gate=False, beta_logits=False) -> dict:
+    """Fresh random inputs of realistic magnitude for ``spec``'s chunk function.
+
+    With ``lengths`` the batch is packed varlen (B=1, cu_seqlens from the lengths).
+    Returns the keyword arguments for the generated function.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    cu_seqlens = None
+    if lengths is not None:
+        B, T = 1, sum(lengths)
+        cu_seqlens = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    N = len(lengths) if lengths is not None else B
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, HV, V)
+    if spec.transition.delta and not spec.qk_l2norm:
+        k = k / k.norm(dim=-1, keepdim=True)
+    elif spec.transition.delta:
+        k = k / k.norm(dim=-1, keepdim=True)   # l2norm in kernel is opted into per call
+    args = {"q": q, "k": k, "v": v}
+    if spec.transition.decay == "scalar":
+        args["g"] = randn(B, T, HV) if fused_gate else torch.nn.functional.logsigmoid(randn(B, T, HV) + 2.0)
+    elif spec.transition.decay == "vector":
+        args["g"] = torch.nn.functional.logsigmoid(randn(B, T, HV, K) + 3.0) / 4
+    if spec.transition.delta:
+        args["beta"] = randn(B, T, HV) if beta_logits else torch.sigmoid(randn(B, T, HV))
+    out = {name: x.to(dtype) for name, x in args.items()}
+    for name in ("g", "beta"):
+        if name in out:
+            out[name] = args[name].to(torch.float32)
+    if h0:
+        out["initial_state"] = (randn(N, HV, K, V) * 0.5).float()
+    if fused_gate:
+        out["A_log"] = (randn(HV) * 0.5).float()
+        out["dt_bias"] = (randn(HV) * 0.5).float()
+    out["cu_seqlens"] = cu_seqlens
+    return {name: (x.to(device) if isinstance(x, torch.Tensor) else x) for name, x in out.items()}
+
+
+def reference_outputs(spec: Spec, inputs: dict, **options):
+    """float64 reference (token recurrence) for the same call."""
+    args = dict(inputs)
+    positional = [args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g", None), args.pop("beta", None)]
+    return reference.run(spec, *positional, form="recurrent", **args, **options)
+
+
+def call(module, spec: Spec, inputs: dict, **options):
+    return getattr(module, spec.chunk_function)(**inputs, **options)
+
+
+def self_check(spec: Spec, module, device: str) -> list[dict]:
+    """Compare the built module with the float64 reference on a few small cases."""
+    cases = [("fp32 B=2 T=40 GVA h0", dict(B=2, T=40), {}),
+             ("fp32 varlen [7, 0, 1, 33]", dict(lengths=[7, 0, 1, 33]), {})]
+    if device == "cuda":
+        cases.append(("bf16 B=2 T=300 K=V=128", dict(B=2, T=300, K=128, V=128, dtype=torch.bfloat16), {}))
+    rows = []
+    for label, shape, options in cases:
+        inputs = make_inputs(spec, device=device, **shape)
+        o, ht = call(module, spec, inputs, output_final_state=True, **options)
+        o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True, **options)
+        tol = 5e-3 if inputs["q"].dtype == torch.bfloat16 else 1e-5
+        e_o, e_h = rel_rmse(o, o_ref), rel_rmse(ht, ht_ref)
+        rows.append({"case": label, "o": e_o, "ht": e_h, "tol": tol, "ok": e_o <= tol and e_h <= tol})
+    return rows
+
+
+def bench_cases(device: str) -> list[tuple]:
+    if device == "cuda":
+        return [(1, 8192, 16, 32, 128, 128), (8, 2048, 16, 16, 128, 128), (1, 32768, 32, 32, 128, 128)]
+    return [(1, 64, 1, 2, 16, 16)]
+
+
+def time_call(spec: Spec, module, device: str, case: tuple, reps: int = 20) -> dict:
+    B, T, H, HV, K, V = case
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    inputs = make_inputs(spec, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, device=device, h0=False)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    call(module, spec, inputs)
+    sync()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(reps if device == "cuda" else 2):
+        start = time.perf_counter()
+        call(module, spec, inputs)
+        sync()
+        times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1e3
+    return {"case": ",".join(map(str, case)), "dtype": str(dtype).replace("torch.", ""), "first_s": first,
+            "ms": ms, "tokens_per_s": B * T / (ms * 1e-3)}

@@ -1,0 +1,1 @@
+"""Modules rendered by gdngen from specs/ (see each file's header)."""
