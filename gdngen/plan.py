@@ -45,7 +45,7 @@ STAGES = {
                     "L2-normalise q and k rows (use_qk_l2norm_in_kernel)"),
     "gates": Stage("gates", "stages/gates.py.j2", "_gates_fwd_kernel",
                    "activate the gates; chunk-local cumsum of the log-decay"),
-    "wy": Stage("wy", "stages/wy.py.j2", "_wy_fwd_kernel",
+    "wy": Stage("wy", "stages/wy.py.j2", "_wy_fwd_kernel_bt<BT>",
                 "A = beta K K^T * decay, T = (I + A)^-1, W and U (delta rule)"),
     "state": Stage("state", "stages/state.py.j2", "_state_fwd_kernel",
                    "sequential pass over chunks: chunk-start states, final state, V_new"),
@@ -60,6 +60,12 @@ def _print(expr, names: dict) -> str:
         return "None"
     mapping = {sym: names[sym.name] for sym in expr.free_symbols}
     return algebra.to_triton(expr, mapping)
+
+
+def print_factor(plan: Plan, name: str, **names: str) -> str:
+    """Print one of the algebra's chunk factors with its cumsum symbols named by the template."""
+    alg = algebra.derive(plan.spec.transition.decay, plan.spec.transition.delta)
+    return _print(getattr(alg, name), names)
 
 
 @lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from gdngen import __version__
-from gdngen.plan import Plan, build_plan, public_api
+from gdngen.plan import Plan, build_plan, print_factor, public_api
 from gdngen.spec import Spec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def _spec_path(spec: Spec) -> str:
     try:
         return Path(spec.source).resolve().relative_to(ROOT).as_posix()
     except ValueError:
-        return Path(spec.source).name
+        return Path(spec.source).name     # outside the repo: the name only, never an absolute path
 
 
 def header(spec: Spec) -> str:
@@ -62,7 +62,9 @@ def header(spec: Spec) -> str:
 
 def render_module(spec: Spec) -> str:
     plan = build_plan(spec)
-    template = _environment().get_template("module.py.j2")
+    env = _environment()
+    env.globals["expr"] = lambda name, **names: print_factor(plan, name, **names)
+    template = env.get_template("module.py.j2")
     text = template.render(
         header=header(spec),
         spec=spec,

@@ -130,7 +130,7 @@ _SCHEMA: dict[str, Any] = {
         "inputs": ["float32", "float16", "bfloat16"],
         "state": "float32",
         "accumulate": "float32",
-        "chunk_states": "float32",
+        "chunk_states": "input",
     },
 }
 
@@ -144,7 +144,7 @@ class _Reader:
 
     def merge(self, raw: Any, schema: dict, prefix: str) -> dict:
         if not isinstance(raw, dict):
-            self.fail(prefix or "<root>", f"expected a mapping, got {type(raw).__name__}")
+            self.fail(prefix.rstrip(".") or "<root>", f"expected a mapping, got {type(raw).__name__}")
         for key in raw:
             if key not in schema:
                 known = ", ".join(sorted(schema))
@@ -222,7 +222,7 @@ def spec_from_dict(raw: Any, source: str = "<memory>") -> Spec:
     if transition.decay != "scalar" and "fused" in gates.decay:
         r.fail("gates.decay", "the fused gate -exp(A_log)*softplus(g + dt_bias) is defined for "
                "transition.decay: scalar only; expected [given]")
-    if transition.decay == "none" and g["decay"] != ["given"]:
+    if transition.decay == "none" and gates.decay != ("given",):
         r.fail("gates.decay", "transition.decay is none, so there is no log-decay to parameterise")
     if not transition.delta and gates.beta != ("given",):
         r.fail("gates.beta", "beta exists only with the delta rule (transition.delta: true)")
@@ -249,8 +249,9 @@ def spec_from_dict(raw: Any, source: str = "<memory>") -> Spec:
     sizes = c["sizes"]
     if not isinstance(sizes, list) or not sizes:
         r.fail("chunk.sizes", f"expected a non-empty list drawn from {list(CHUNK_SIZES)}, got {sizes!r}")
-    sizes = tuple(sorted(set(r.choice(s, "chunk.sizes", CHUNK_SIZES) for s in sizes)))
-    default = c["default"]
+    sizes = tuple(sorted(set(r.choice(r.integer(s, "chunk.sizes", 1, max(CHUNK_SIZES)), "chunk.sizes",
+                                      CHUNK_SIZES) for s in sizes)))
+    default = r.integer(c["default"], "chunk.default", 1, max(CHUNK_SIZES))
     if default not in sizes:
         r.fail("chunk.default", f"expected one of chunk.sizes {list(sizes)}, got {default!r}")
     chunk = Chunk(sizes=sizes, default=default)

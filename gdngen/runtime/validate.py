@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+_NOT_GIVEN = object()     # chunk_size is checked only when the caller passes one
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -47,7 +48,7 @@ def validate_chunk_call(
     scale=None,
     initial_state=None,
     cu_seqlens=None,
-    chunk_size=None,
+    chunk_size=_NOT_GIVEN,
     use_gate_in_kernel: bool = False,
     A_log=None,
     dt_bias=None,
@@ -127,16 +128,21 @@ def validate_chunk_call(
 
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-    if chunk_size is not None and chunk_size not in info["chunk_sizes"]:
+    if chunk_size is _NOT_GIVEN:
+        pass
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size: expected an int, got {chunk_size!r}")
+    elif chunk_size not in info["chunk_sizes"]:
         raise ValueError(f"chunk_size: expected one of {list(info['chunk_sizes'])}, got {chunk_size!r}")
 
     varlen = cu_seqlens is not None
     if varlen:
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens: expected a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-                            f"of shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens: expected a 1-D tensor, got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
         if B != 1:
             raise ValueError(f"cu_seqlens: varlen inputs are packed as B=1, got B={B}")
         if cu_seqlens.numel() < 2:
