@@ -2,6 +2,7 @@
 from gdngen.runtime.validate import Problem, validate_chunk_call
 from gdngen.runtime.varlen import chunk_tables
 from gdngen.runtime.launch import check_backend, contiguous, dot_precision, next_pow2
+from gdngen.runtime.tiles import override, tiles
 
 __all__ = ["Problem", "validate_chunk_call", "chunk_tables", "check_backend", "contiguous",
-           "dot_precision", "next_pow2"]
+           "dot_precision", "next_pow2", "override", "tiles"]
