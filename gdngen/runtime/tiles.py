@@ -34,7 +34,8 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             bv //= 2
         return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 3}
     if stage == "output":
-        return {"BK": min(64, pk), "BV": min(128, pv), "num_warps": 4, "num_stages": 3}
+        # BV >= 64: BK=64 with BV=32 gave wrong outputs (K=64, V=32, bf16) under Triton 3.6 on Hopper
+        return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
     raise ValueError(f"stage: unknown stage {stage!r}")
 
 
