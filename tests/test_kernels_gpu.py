@@ -29,9 +29,10 @@ def test_realistic(name, dtype, chunk_size):
     _run(name, dtype, chunk_size, B=2, T=700, H=4, HV=8, K=128, V=128)
 
 
-@pytest.mark.parametrize("K,V", [(20, 100), (256, 256), (64, 32)])
-def test_head_dims(K, V):
-    _run("gated_delta_rule", torch.bfloat16, 64, B=1, T=300, H=2, HV=4, K=K, V=V)
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+@pytest.mark.parametrize("K,V", [(20, 100), (100, 20), (256, 256), (64, 32), (32, 64), (64, 64), (128, 64), (256, 128)])
+def test_head_dims(name, K, V):
+    _run(name, torch.bfloat16, 64, B=1, T=300, H=2, HV=4, K=K, V=V)
 
 
 def test_many_short_sequences():
