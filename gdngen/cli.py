@@ -1,4 +1,4 @@
-"""``gdngen`` command line: build | list | show | check | bench."""
+"""``gdngen`` command line: build | list | show | check | bench | tune."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +130,54 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    """Tune launch configs per shape class on this GPU and write them to the per-device cache."""
+    import torch
+    if not torch.cuda.is_available() and not args.interpret:
+        print("gdngen tune: tuning measures kernels on a CUDA GPU and none is available here.\n"
+              "  Run it on the GPU the cache is for (e.g. the H200); --interpret runs a smoke test of the "
+              "tuner under the Triton interpreter (tiny shapes, wall-clock timing: the numbers mean nothing).",
+              file=sys.stderr)
+        return 2
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from gdngen.autotune.tuner import ShapeCase, format_report, tune
+    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+              "fp32": torch.float32, "float32": torch.float32}
+    dtype = dtypes.get(args.dtype or ("fp32" if args.interpret else "bf16"))
+    if dtype is None:
+        print(f"gdngen tune: --dtype: expected one of {sorted(dtypes)}, got {args.dtype!r}", file=sys.stderr)
+        return 2
+    spec = load_spec(_spec_paths([args.spec])[0])
+    module = _import_generated(spec, args.out)
+    if args.shapes:
+        texts = args.shapes
+    elif args.interpret:
+        texts = ["1,40,1,2,16,16"]
+    else:
+        texts = ["4,8192,16,32,128,128", "1,32768,32,32,128,128", "8,2048,16,16,128,128", "1,32768,2,8,128,128"]
+    try:
+        shapes = [ShapeCase.parse(t, dtype) for t in texts]
+        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+        chunks = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else None
+        if args.interpret:
+            chunks = chunks or [spec.chunk.default if spec.chunk.default in spec.chunk.sizes else spec.chunk.sizes[0]]
+        limit = args.max_candidates if args.max_candidates is not None else (3 if args.interpret else 24)
+        limit = limit or None           # 0: the whole pruned space
+        if args.interpret:
+            print("gdngen tune --interpret: smoke test under the Triton interpreter; timings are wall-clock "
+                  "on CPU and say nothing about a GPU.", file=sys.stderr)
+        report = tune(spec, shapes, module=module, stages=stages, chunk_sizes=chunks, cache_dir=args.cache_dir,
+                      max_candidates=limit, progress=True, write=not args.dry_run)
+    except ValueError as exc:
+        print(f"gdngen tune: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if report.cache_path:
+        print(f"wrote {report.cache_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gdngen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("spec", nargs="?", default="gated_delta_rule")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("tune", help="autotune launch configs on this GPU into the per-device cache")
+    p.add_argument("spec")
+    p.add_argument("--shapes", nargs="+", metavar="B,T,H,HV,K,V", help="shapes to tune (one per shape class)")
+    p.add_argument("--stages", default=None, help="comma-separated subset of wy,state,output (default all)")
+    p.add_argument("--chunk-sizes", default=None, help="comma-separated subset of the spec's chunk sizes")
+    p.add_argument("--dtype", default=None, help="input dtype: bf16 (GPU default), fp16, fp32")
+    p.add_argument("--max-candidates", type=int, default=None, help="candidates per stage nearest the default, default included "
+                   "(default 24; 3 with --interpret; 0 = the whole pruned space, ~400 per chunk size at K=V=128)")
+    p.add_argument("--cache-dir", default=None, help="cache folder (default $GDNGEN_CACHE_DIR or ~/.cache/gdngen)")
+    p.add_argument("--dry-run", action="store_true", help="print the table, write no cache")
+    p.add_argument("--interpret", action="store_true",
+                   help="without a GPU: smoke-test the tuner under the Triton interpreter (timings meaningless)")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_tune)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

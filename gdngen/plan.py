@@ -16,6 +16,7 @@ from gdngen.spec import Spec
 # Names the stage templates give their block values; the printer maps algebra symbols onto them.
 _ROW_COL = {"g_row": "b_g[:, None]", "g_col": "b_g[None, :]"}
 _ROW = {"g_row": "b_g"}
+_TOKEN = {"g_last": "b_g"}
 _COL = {"g_col": "b_g"}
 _UPDATE = {"g_last": "b_g_last", "g_col": "b_g"}
 _LAST = {"g_last": "b_g_last"}
@@ -51,6 +52,10 @@ STAGES = {
                    "sequential pass over chunks: chunk-start states, final state, V_new"),
     "output": Stage("output", "stages/output.py.j2", "_output_fwd_kernel",
                     "outputs: inter-chunk (Q S) plus intra-chunk causal attention"),
+    # The token recurrence (decode, speculative verify, state pools): its own public function,
+    # rendered for every spec, per-channel decay included (a [BK] decay row is just a vector).
+    "recurrent": Stage("recurrent", "stages/recurrent.py.j2", "_recurrent_fwd_kernel",
+                       "fused_recurrent: token-by-token forward, state in registers (decode/verify)"),
 }
 
 
@@ -92,6 +97,8 @@ def build_plan(spec: Spec) -> Plan:
         "key_w_decay": _print(alg.key_w_decay, _COL),
         "key_update_decay": _print(alg.key_update_decay, _UPDATE),
         "state_decay": _print(alg.state_decay, _LAST),
+        # One token is a chunk of length one: its decay is the chunk's state decay at g_last = g_t.
+        "token_decay": _print(alg.state_decay, _TOKEN),
         "decay_activation": _print(algebra.decay_activation(),
                                    {"x": "b_g", "A_log": "b_A_log", "dt_bias": "b_dt_bias"}),
         "beta_activation": _print(algebra.beta_activation(False), {"b": "b_beta"}),
@@ -102,13 +109,14 @@ def build_plan(spec: Spec) -> Plan:
     }
     if alg.per_channel:
         # The stage templates place decay factors per token row; per-key-channel decay needs the
-        # sub-chunked score kernels, which are not templated yet.
-        return Plan(spec=spec, backend="reference", stages=(), exprs=exprs, info=info,
+        # sub-chunked score kernels, which are not templated yet.  The token recurrence needs
+        # no chunk algebra, so fused_recurrent is generated for it all the same.
+        return Plan(spec=spec, backend="reference", stages=(STAGES["recurrent"],), exprs=exprs, info=info,
                     reason="per-key-channel decay has no generated chunk kernels yet; "
                            "the float64 reference runs instead")
     names = (["l2norm"] if spec.qk_l2norm else []) + ["gates"]
     names += ["wy"] if t.delta else []
-    names += ["state", "output"]
+    names += ["state", "output", "recurrent"]
     return Plan(spec=spec, backend="triton", stages=tuple(STAGES[n] for n in names),
                 exprs=exprs, info=info)
 
@@ -140,8 +148,15 @@ def public_api(plan: Plan) -> dict:
                 "TRITON_INTERPRET=1). Backward: the float64 reference until generated backward kernels land.")
     else:
         note = f"Forward and backward: the float64 reference ({plan.reason})."
+    if t.delta:
+        recurrent_summary = (f"Token-by-token {spec.name}: S_t = {rule}(I - beta_t k_t k_t^T) S_(t-1) + beta_t k_t v_t^T, "
+                             "o_t = S_t^T (scale q_t).")
+    else:
+        recurrent_summary = f"Token-by-token {spec.name}: S_t = {rule}S_(t-1) + k_t v_t^T, o_t = S_t^T (scale q_t)."
     return {
         "chunk_name": spec.chunk_function,
+        "recurrent_name": spec.recurrent_function,
+        "recurrent_summary": recurrent_summary,
         "fwd_name": f"{spec.chunk_function}_fwd",
         "class_name": f"Chunk{camel}Function",
         "positional": positional,

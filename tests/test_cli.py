@@ -27,7 +27,7 @@ def test_show_prints_stages_and_expressions(capsys):
     spec = load_spec(ROOT / "specs" / "gated_delta_rule.yaml")
     assert spec.hash in out
     stages = [line.split()[1] for line in out.splitlines() if line.strip().startswith("stage ")]
-    assert stages == ["l2norm", "gates", "wy", "state", "output"]
+    assert stages == ["l2norm", "gates", "wy", "state", "output", "recurrent"]
     assert "tl.exp(b_g[:, None] - b_g[None, :])" in out
 
 

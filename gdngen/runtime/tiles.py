@@ -1,17 +1,28 @@
 """Tile and launch choices per stage.
 
-Defaults live here; ``override`` lets a tuner or a benchmark try another choice for one stage of
-one spec without touching generated code. (The per-device autotune cache plugs in here.)
+Every launch asks :func:`tiles` for its stage's launch parameters. The answer comes from, in order:
+
+1. an explicit :func:`override` (a tuner or a benchmark trying another choice; merged over the
+   defaults, so a partial override changes only the keys it names),
+2. the user's per-device autotune cache (``$GDNGEN_CACHE_DIR``, default ``~/.cache/gdngen``),
+3. the shipped table for the device family (``gdngen/autotune/shipped/``),
+4. :func:`default_tiles`, safe everywhere.
+
+Steps 2-3 apply only on a GPU (never to CPU tensors under the interpreter), read each file once
+per process, and resolve each launch shape once; nothing is tuned inside a call (`gdngen tune`).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
+from gdngen.autotune import cache as _cache
 from gdngen.runtime.launch import next_pow2
 
 _OVERRIDES: dict[tuple[str, str], dict] = {}
+_RECORDERS: list[list] = []
 
 
 SM_COUNT_H200 = 132
@@ -39,9 +50,24 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     raise ValueError(f"stage: unknown stage {stage!r}")
 
 
-def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
+def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
+          H: Optional[int] = None, T: Optional[int] = None, spec_hash: Optional[str] = None) -> dict:
+    """Launch parameters (BK, BV, num_warps, num_stages) for one launch of ``stage``.
+
+    ``H`` (query heads), ``T`` (sequence length, only its short/long bucket is used) and
+    ``spec_hash`` are optional: with them the cache lookup matches exactly; without them the
+    tuned entry for any H / T bucket of this shape class is used and the hash comes from the
+    loaded ``generated.<spec_name>`` module (or the catalogue spec).
+    """
+    for recorder in _RECORDERS:
+        recorder.append(stage)
     config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype)
-    config.update(_OVERRIDES.get((spec_name, stage), {}))
+    chosen = _OVERRIDES.get((spec_name, stage))
+    if chosen is None:
+        chosen = _cache.lookup(spec_name, stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
+                               spec_hash=spec_hash)
+    if chosen:
+        config.update(chosen)
     return config
 
 
@@ -58,3 +84,14 @@ def override(spec_name: str, stage: str, **config):
             _OVERRIDES.pop(key, None)
         else:
             _OVERRIDES[key] = previous
+
+
+@contextmanager
+def record_stages():
+    """Collect the stage names that ask for tiles inside the block (in launch order)."""
+    seen: list = []
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)

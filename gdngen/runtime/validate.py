@@ -160,3 +160,82 @@ def validate_chunk_call(
         initial_state = _tensor("initial_state", initial_state)
         _shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
     return Problem(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, varlen=varlen)
+
+
+def validate_recurrent_call(
+    problem: Problem,
+    device: torch.device,
+    *,
+    initial_state=None,
+    cu_seqlens=None,
+    state_indices=None,
+    inplace_final_state=True,
+    intermediate_states=None,
+    return_intermediate_states=False,
+) -> int:
+    """Check the serving options of a ``fused_recurrent_*`` call (after :func:`validate_chunk_call`).
+
+    With ``state_indices`` the ``initial_state`` is a pool ``[P, HV, K, V]`` (float32, contiguous:
+    it is written in place) and ``validate_chunk_call`` must have been called with
+    ``initial_state=None``.  Returns the longest sequence length, the token extent of the
+    intermediate states.  Reading ``state_indices`` and ``cu_seqlens`` values syncs with the device.
+    """
+    N, HV, K, V = problem.N, problem.HV, problem.K, problem.V
+    if cu_seqlens is not None:
+        host = cu_seqlens.tolist()
+        T_max = max((b - a for a, b in zip(host, host[1:])), default=0)
+    else:
+        T_max = problem.T
+
+    if not isinstance(inplace_final_state, bool):
+        raise TypeError(f"inplace_final_state: expected a bool, got {inplace_final_state!r}")
+    if state_indices is None:
+        if not inplace_final_state:
+            raise ValueError("inplace_final_state: only used with state_indices (False = verify: the pool "
+                             "is left untouched)")
+    else:
+        if not isinstance(state_indices, torch.Tensor):
+            raise TypeError(f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}")
+        if state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"state_indices: expected int32 or int64, got {state_indices.dtype}")
+        if tuple(state_indices.shape) != (N,):
+            raise ValueError(f"state_indices: expected shape ({N},) (one pool slot per sequence), "
+                             f"got {tuple(state_indices.shape)}")
+        if state_indices.device != device:
+            raise ValueError(f"state_indices: on {state_indices.device}, expected the device of q ({device})")
+        if initial_state is None:
+            raise ValueError("initial_state: state_indices needs the state pool [P, HV, K, V] as initial_state")
+        pool = _tensor("initial_state", initial_state, ndim=4)
+        if tuple(pool.shape[1:]) != (HV, K, V) or pool.shape[0] < 1:
+            raise ValueError(f"initial_state: expected a pool of shape (P, {HV}, {K}, {V}) with state_indices "
+                             f"([P, HV, K, V]), got {tuple(pool.shape)}")
+        if pool.dtype != torch.float32:
+            raise TypeError(f"initial_state: the state pool must be float32, got {pool.dtype}")
+        if not pool.is_contiguous():
+            raise ValueError("initial_state: the state pool must be contiguous (it is updated in place)")
+        if pool.device != device:
+            raise ValueError(f"initial_state: on {pool.device}, expected the device of q ({device})")
+        P = pool.shape[0]
+        slots = state_indices.tolist()
+        bad = [s for s in slots if not -1 <= s < P]
+        if bad:
+            raise ValueError(f"state_indices: values must lie in [-1, {P}) (-1 = padding; pool of P={P} slots), "
+                             f"got {bad[:4]}")
+        used = [s for s in slots if s >= 0]
+        if len(set(used)) != len(used):
+            raise ValueError(f"state_indices: two sequences share a pool slot ({slots}); their writes would race")
+
+    if not isinstance(return_intermediate_states, bool):
+        raise TypeError(f"return_intermediate_states: expected a bool, got {return_intermediate_states!r}")
+    if intermediate_states is not None:
+        hs = _tensor("intermediate_states", intermediate_states, ndim=5)
+        if hs.shape[0] != N or hs.shape[1] < T_max or tuple(hs.shape[2:]) != (HV, K, V):
+            raise ValueError(f"intermediate_states: expected shape ({N}, T_buf >= {T_max}, {HV}, {K}, {V}) "
+                             f"([N, T_max, HV, K, V]), got {tuple(hs.shape)}")
+        if hs.dtype != torch.float32:
+            raise TypeError(f"intermediate_states: expected float32, got {hs.dtype}")
+        if not hs.is_contiguous():
+            raise ValueError("intermediate_states: must be contiguous (the kernel writes into it)")
+        if hs.device != device:
+            raise ValueError(f"intermediate_states: on {hs.device}, expected the device of q ({device})")
+    return T_max
