@@ -57,3 +57,30 @@ def test_64bit_offsets():
     o2, ht2 = chunk_gated_delta_rule(q[:, half:], k[:, half:], v[:, half:], g[:, half:], beta[:, half:],
                                      initial_state=h_mid, output_final_state=True)
     assert rel_rmse(o[:, half:], o2) <= 1e-2 and rel_rmse(ht, ht2) <= 1e-2
+
+
+@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_realistic(name, dtype):
+    """fused_recurrent_* compiled: T=1 decode (T is specialised when it equals 1) and a short prefill."""
+    spec = load_spec(f"specs/{name}.yaml")
+    module = importlib.import_module(f"generated.{name}")
+    options = {"normalize": False} if name == "linear_attn" else {}
+    for T in (1, 37):
+        inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=T, B=4, T=T, H=4, HV=8, K=128, V=128)
+        o, ht = getattr(module, spec.recurrent_function)(**inputs, output_final_state=True, **options)
+        o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True, **options)
+        assert rel_rmse(o, o_ref) <= TOL[dtype] and rel_rmse(ht, ht_ref) <= TOL[dtype]
+
+
+def test_recurrent_pool_untouched_slots_bitwise():
+    from generated.gated_delta_rule import fused_recurrent_gated_delta_rule
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", B=3, T=1, H=2, HV=4, K=128, V=128, h0=False)
+    pool = torch.randn(8, 4, 128, 128, device="cuda")
+    before = pool.clone()
+    slots = torch.tensor([5, -1, 2], device="cuda", dtype=torch.int32)
+    fused_recurrent_gated_delta_rule(**inputs, initial_state=pool, state_indices=slots, output_final_state=True)
+    untouched = [i for i in range(8) if i not in (5, 2)]
+    assert torch.equal(pool[untouched], before[untouched])
+    assert not torch.equal(pool[5], before[5]) and not torch.equal(pool[2], before[2])
