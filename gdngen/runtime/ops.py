@@ -1,0 +1,66 @@
+"""What every generated ``torch.library`` op shares: the empty-tensor stand-in for None, and the
+float64 reference backward.
+
+A custom op returns tensors only, so an absent final state or an input gradient nobody asked for
+travels as an empty tensor (:func:`absent`) and the Python side maps it back to None
+(:func:`present`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def absent(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The stand-in for None in an op's outputs: an empty 1-D tensor on ``like``'s device."""
+    return like.new_empty(0, dtype=dtype)
+
+
+def present(x: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
+    """Map an op output back to the Python API: ``x`` when it was asked for, else None."""
+    return x if wanted else None
+
+
+def reference_grads(forward: Callable, inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool],
+                    grad_outputs: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """Gradients by replaying ``forward`` (the spec's float64 reference) under ``torch.func.vjp``.
+
+    ``forward(*inputs)`` returns float64 ``(o, final_state or None)``; ``needs[i]`` says whether
+    ``inputs[i]`` wants a gradient.  Returns one tensor per input: its gradient in the input's dtype
+    (zeros when the output does not depend on it), or :func:`absent` where none is wanted.  Exact
+    and deterministic, and slow; used until generated backward kernels land.  ``torch.func`` works
+    inside a custom op's kernel, where the dispatcher has switched tape-based autograd off.
+    """
+    wanted = [i for i, need in enumerate(needs) if need]
+    found: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
+    if wanted:
+        base = [x.detach().double() if need else x for x, need in zip(inputs, needs)]
+
+        def replay(*leaves):
+            args = list(base)
+            for i, leaf in zip(wanted, leaves):
+                args[i] = leaf
+            o, final_state = forward(*args)
+            return (o,) if final_state is None else (o, final_state)
+
+        outputs, pullback = torch.func.vjp(replay, *[base[i] for i in wanted])
+        cotangents = tuple(gr.double() if gr is not None and gr.numel() > 0 else torch.zeros_like(out)
+                           for out, gr in zip(outputs, grad_outputs))
+        found = pullback(cotangents)
+    like = next(x for x in inputs if x is not None)
+    found = iter(found)
+    grads = []
+    for x, need in zip(inputs, needs):
+        if need:
+            gr = next(found)
+            grads.append(torch.zeros_like(x) if gr is None else gr.to(x.dtype))
+        else:
+            grads.append(absent(like))
+    return grads
+
+
+def fake_grads(inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool]) -> list[torch.Tensor]:
+    """Shapes and dtypes of :func:`reference_grads`' result, for the backward op's fake kernel."""
+    like = next(x for x in inputs if x is not None)
+    return [torch.empty_like(x) if need else absent(like) for x, need in zip(inputs, needs)]
