@@ -107,17 +107,18 @@ def build_plan(spec: Spec) -> Plan:
         "gate_fused": info["gate_fused"],
         "beta_sigmoid": info["beta_sigmoid"],
     }
-    if alg.per_channel:
-        # The stage templates place decay factors per token row; per-key-channel decay needs the
-        # sub-chunked score kernels, which are not templated yet.  The token recurrence needs
-        # no chunk algebra, so fused_recurrent is generated for it all the same.
-        return Plan(spec=spec, backend="reference", stages=(STAGES["recurrent"],), exprs=exprs, info=info,
-                    reason="per-key-channel decay has no generated chunk kernels yet; "
-                           "the float64 reference runs instead")
+    # Vector decay runs the same stages: the templates apply its factors per key channel inside
+    # the contraction over K (`per_channel`), on 16-row sub-blocks so no exponent is positive.
+    exprs["per_channel"] = alg.per_channel
     names = (["l2norm"] if spec.qk_l2norm else []) + ["gates"]
     names += ["wy"] if t.delta else []
     names += ["state", "output", "recurrent"]
-    return Plan(spec=spec, backend="triton", stages=tuple(STAGES[n] for n in names),
+    stages = tuple(STAGES[n] for n in names)
+    if alg.per_channel:
+        # the blocked scores unroll over 16-row sub-blocks: one output kernel per chunk size
+        stages = tuple(Stage(s.name, s.template, "_output_fwd_kernel_bt<BT>", s.purpose) if s.name == "output" else s
+                       for s in stages)
+    return Plan(spec=spec, backend="triton", stages=stages,
                 exprs=exprs, info=info)
 
 

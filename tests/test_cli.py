@@ -17,7 +17,8 @@ def test_list_prints_every_catalogue_spec(capsys):
     for name in CATALOGUE:
         assert name in out and f"chunk_{name}" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
-    assert rows["gla"][3] == "reference"          # per-channel decay: float64 reference backend
+    assert rows["gla"][3] == "triton"             # per-channel decay: generated kernels too
+    assert rows["kda"][3] == "triton"
     assert rows["gated_delta_rule"][3] == "triton"
 
 

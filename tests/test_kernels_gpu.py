@@ -22,14 +22,14 @@ def _run(name, dtype, chunk_size=64, **shape):
     assert rel_rmse(ht, ht_ref) <= TOL[dtype], rel_rmse(ht, ht_ref)
 
 
-@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "delta_rule", "gated_delta_rule"])
+@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_realistic(name, dtype, chunk_size):
     _run(name, dtype, chunk_size, B=2, T=700, H=4, HV=8, K=128, V=128)
 
 
-@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule", "gla", "kda"])
 @pytest.mark.parametrize("K,V", [(20, 100), (100, 20), (256, 256), (64, 32), (32, 64), (64, 64), (128, 64), (256, 128)])
 def test_head_dims(name, K, V):
     _run(name, torch.bfloat16, 64, B=1, T=300, H=2, HV=4, K=K, V=V)
@@ -59,7 +59,7 @@ def test_64bit_offsets():
     assert rel_rmse(o[:, half:], o2) <= 1e-2 and rel_rmse(ht, ht2) <= 1e-2
 
 
-@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule"])
+@pytest.mark.parametrize("name", ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recurrent_realistic(name, dtype):
     """fused_recurrent_* compiled: T=1 decode (T is specialised when it equals 1) and a short prefill."""

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gdngen.spec import load_spec
 
-CATALOGUE = ["delta_rule", "gated_delta_rule", "gla", "linear_attn", "simple_gla"]
+CATALOGUE = ["delta_rule", "gated_delta_rule", "gla", "kda", "linear_attn", "simple_gla"]
 OPTIONS = dict(scale=0.25, output_final_state=True, chunk_size=16, use_qk_l2norm_in_kernel=False,
                use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False)
 
@@ -40,7 +40,9 @@ def _op_args(name, device, *, B=1, T=20, H=2, K=16, V=16, final_state=True, h0=T
     g = beta = None
     if name == "gated_delta_rule":
         g = F.logsigmoid(torch.randn(B, T, H, generator=gen)).requires_grad_(grad)
-    if name in ("gated_delta_rule", "delta_rule"):
+    if name in ("gla", "kda"):          # vector decay: one log-decay per key channel
+        g = (F.logsigmoid(torch.randn(B, T, H, K, generator=gen)) / 4).requires_grad_(grad)
+    if name in ("gated_delta_rule", "delta_rule", "kda"):
         beta = torch.rand(B, T, H, generator=gen).requires_grad_(grad)
     if name == "simple_gla":
         g = F.logsigmoid(torch.randn(B, T, H, generator=gen)).requires_grad_(grad)
@@ -53,7 +55,7 @@ def _op_args(name, device, *, B=1, T=20, H=2, K=16, V=16, final_state=True, h0=T
     return (*args, *options.values())
 
 
-@pytest.mark.parametrize("name", ["gated_delta_rule", "simple_gla"])
+@pytest.mark.parametrize("name", ["gated_delta_rule", "simple_gla", "kda"])
 @pytest.mark.parametrize("case", ["dense", "no_final_state", "varlen"])
 def test_opcheck(name, case, device):
     """schema, autograd registration, fake tensor and the AOT dispatch (fwd + bwd under aot_eager)."""

@@ -8,7 +8,7 @@ import yaml
 
 from gdngen.spec import Spec, SpecError, catalogue, load_spec, spec_from_dict
 
-CATALOGUE = ["delta_rule", "gated_delta_rule", "gla", "linear_attn", "simple_gla"]
+CATALOGUE = ["delta_rule", "gated_delta_rule", "gla", "kda", "linear_attn", "simple_gla"]
 
 MINIMAL = {"name": "x", "transition": {"decay": "scalar", "delta": True}}
 
@@ -78,6 +78,7 @@ def test_catalogue_facts():
     assert gdr.qk_l2norm and gdr.family == "delta" and gdr.has_decay and gdr.has_beta
     assert specs["delta_rule"].transition.decay == "none" and not specs["delta_rule"].has_decay
     assert specs["gla"].transition.decay == "vector" and specs["gla"].family == "additive"
+    assert specs["kda"].transition.decay == "vector" and specs["kda"].transition.delta and specs["kda"].has_beta
     assert specs["linear_attn"].normalize and len(specs["linear_attn"].feature_maps) == 4
     assert specs["simple_gla"].transition.decay == "scalar" and not specs["simple_gla"].has_beta
 
