@@ -21,6 +21,7 @@ _COL = {"g_col": "b_g"}
 _UPDATE = {"g_last": "b_g_last", "g_col": "b_g"}
 _LAST = {"g_last": "b_g_last"}
 L2NORM_EPS = "1e-6"
+LOG_DECAY_FLOOR = "-60.0"     # exp(-60) ~ 1e-26: below float32's resolution of O(1) values
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def build_plan(spec: Spec) -> Plan:
         "beta_activation": _print(algebra.beta_activation(False), {"b": "b_beta"}),
         "beta_activation_neg": _print(algebra.beta_activation(True), {"b": "b_beta"}),
         "l2norm_eps": L2NORM_EPS,
+        "log_decay_floor": LOG_DECAY_FLOOR,
         "gate_fused": info["gate_fused"],
         "beta_sigmoid": info["beta_sigmoid"],
     }

@@ -118,10 +118,6 @@ def test_minus_inf_log_gate_recurrent_resets_state(name):
     _assert_close(name, "recurrent", inputs)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: chunk kernels take exp() of differences of the chunk-local "
-                   "cumsum of g, (-inf) - (-inf) = NaN, so one g = -inf token turns the rest of its "
-                   "sequence (outputs and final state) NaN; the reference and fused_recurrent_* give "
-                   "the finite reset")
 @pytest.mark.parametrize("name", DECAYED)
 def test_minus_inf_log_gate_chunk_resets_state(name):
     inputs = _inputs(name, seed=3)
