@@ -84,3 +84,27 @@ def test_recurrent_pool_untouched_slots_bitwise():
     untouched = [i for i in range(8) if i not in (5, 2)]
     assert torch.equal(pool[untouched], before[untouched])
     assert not torch.equal(pool[5], before[5]) and not torch.equal(pool[2], before[2])
+
+
+def test_recurrent_cuda_graph_capture_replay():
+    """One decode step captured in a CUDA graph and replayed equals the eager step, bitwise."""
+    from generated.gated_delta_rule import fused_recurrent_gated_delta_rule as step
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", B=8, T=1, H=4, HV=8, K=128, V=128, h0=False)
+    pool = torch.randn(16, 8, 128, 128, device="cuda")
+    slots = torch.arange(8, device="cuda", dtype=torch.int32)
+    expected_pool = pool.clone()
+    o_expected, _ = step(**inputs, initial_state=expected_pool, state_indices=slots, output_final_state=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                     # compile outside the capture
+        step(**inputs, initial_state=pool.clone(), state_indices=slots, output_final_state=True)
+    torch.cuda.current_stream().wait_stream(side)
+    work = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = step(**inputs, initial_state=work, state_indices=slots, output_final_state=True)
+    work.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_expected) and torch.equal(work, expected_pool)

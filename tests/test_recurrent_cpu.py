@@ -286,3 +286,24 @@ def test_plan_and_module_export_the_recurrent_stage(name):
     assert "recurrent" in [s.name for s in build_plan(spec).stages]
     assert spec.recurrent_function in module.__all__
     assert "inference-only" in getattr(module, spec.recurrent_function).__doc__.lower()
+
+
+def test_no_host_reads_while_capturing(monkeypatch):
+    """Under CUDA-graph capture (or torch.compile) validation must not read tensor values."""
+    import gdngen.runtime.validate as validate
+    spec, module = _module("gated_delta_rule")
+    inputs = make_inputs(spec, lengths=[3, 0, 2], H=1, HV=2, h0=False)
+    pool = _pool(2, 16, 16)
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+    expected = module.fused_recurrent_gated_delta_rule(**inputs, initial_state=pool.clone(), state_indices=slots,
+                                                        output_final_state=True)
+    monkeypatch.setattr(validate, "values_readable", lambda: False)
+
+    def no_reads(self):
+        raise AssertionError("a tensor value was read on the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_reads)
+    got = module.fused_recurrent_gated_delta_rule(**inputs, initial_state=pool.clone(), state_indices=slots,
+                                                   output_final_state=True)
+    monkeypatch.undo()
+    assert torch.equal(got[0][:, :3], expected[0][:, :3]) and torch.equal(got[1], expected[1])

@@ -27,6 +27,18 @@ class Problem:
     varlen: bool
 
 
+def values_readable() -> bool:
+    """Whether validation may read tensor values on the host.
+
+    Reading ``cu_seqlens`` or ``state_indices`` syncs with the device: under torch.compile it would
+    break the graph, and during CUDA-graph capture it is an error. In those two cases only the
+    structural checks (rank, dtype, shape, device) run; eager calls get the value checks too.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _tensor(name: str, x, *, ndim: int | None = None, floating: bool = True) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -151,7 +163,7 @@ def validate_chunk_call(
         # The offsets' values are read on the host (a device sync).  Under torch.compile they are
         # graph values: reading them would break the graph (an error with fullgraph=True), so a
         # compiled caller gets the structural checks above and not these.
-        if not torch.compiler.is_compiling():
+        if values_readable():
             host = cu_seqlens.tolist()
             if host[0] != 0 or host[-1] != T:
                 raise ValueError(f"cu_seqlens: expected to start at 0 and end at T={T}, got {host[0]} .. {host[-1]}")
@@ -182,14 +194,19 @@ def validate_recurrent_call(
     With ``state_indices`` the ``initial_state`` is a pool ``[P, HV, K, V]`` (float32, contiguous:
     it is written in place) and ``validate_chunk_call`` must have been called with
     ``initial_state=None``.  Returns the longest sequence length, the token extent of the
-    intermediate states.  Reading ``state_indices`` and ``cu_seqlens`` values syncs with the device.
+    intermediate states.  Reading ``state_indices`` and ``cu_seqlens`` values syncs with the device,
+    so it is skipped while a CUDA graph is captured or torch.compile traces (:func:`values_readable`):
+    there the slots are the caller's responsibility.
     """
     N, HV, K, V = problem.N, problem.HV, problem.K, problem.V
-    if cu_seqlens is not None:
+    readable = values_readable()
+    if cu_seqlens is not None and readable:
         host = cu_seqlens.tolist()
         T_max = max((b - a for a, b in zip(host, host[1:])), default=0)
+    elif cu_seqlens is not None and intermediate_states is not None:
+        T_max = intermediate_states.shape[1]    # capture: the caller's buffer sets the extent
     else:
-        T_max = problem.T
+        T_max = problem.T                       # dense, or an upper bound while capturing
 
     if not isinstance(inplace_final_state, bool):
         raise TypeError(f"inplace_final_state: expected a bool, got {inplace_final_state!r}")
@@ -220,7 +237,7 @@ def validate_recurrent_call(
         if pool.device != device:
             raise ValueError(f"initial_state: on {pool.device}, expected the device of q ({device})")
         P = pool.shape[0]
-        slots = state_indices.tolist()
+        slots = state_indices.tolist() if readable else []
         bad = [s for s in slots if not -1 <= s < P]
         if bad:
             raise ValueError(f"state_indices: values must lie in [-1, {P}) (-1 = padding; pool of P={P} slots), "
