@@ -5,13 +5,36 @@ checks is what a user's self-check runs.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+import warnings
 
 import torch
 
 from gdngen import reference
 from gdngen.spec import Spec
+
+
+@contextlib.contextmanager
+def poisoned_memory():
+    """Inside the block, fresh tensors (torch.empty, empty_like, ...) hold NaN (integers: their max).
+
+    Any output element a kernel forgets to write then shows up as NaN instead of passing a check by
+    holding a previous run's values. Uses torch's own uninitialised-memory fill.
+    """
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
 
 
 def rel_rmse(actual: torch.Tensor, expected: torch.Tensor) -> float:

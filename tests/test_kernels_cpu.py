@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
+from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse
 from gdngen.spec import load_spec
 
 KERNEL_SPECS = ["linear_attn", "simple_gla", "gla", "delta_rule", "gated_delta_rule", "kda"]
@@ -20,20 +20,9 @@ def _module(name):
 
 
 def _poisoned_call(module, spec, inputs, **options):
-    """Run the op with torch.empty poisoned: any output element the kernels forget to write is NaN."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    torch.empty = nan_empty
-    try:
+    """Run the op with fresh memory NaN-poisoned: any output element the kernels forget to write is NaN."""
+    with poisoned_memory():
         return call(module, spec, inputs, **options)
-    finally:
-        torch.empty = real_empty
 
 
 def _check(name, shape, dtype=torch.float32, chunk_size=64, seed=0, **options):
@@ -152,3 +141,11 @@ def test_gradients_flow_through_reference_backward():
 def test_kda_l2norm_and_sigmoid():
     _check("kda", dict(B=2, T=37, H=1, HV=2, K=16, V=16), chunk_size=16, beta_logits=True,
            use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
+
+
+def test_poisoned_memory_fills_fresh_tensors_with_nan():
+    """The poisoning every kernel test relies on really poisons (empty and empty_like alike)."""
+    with poisoned_memory():
+        a = torch.empty(4, 3)
+        b = torch.empty_like(torch.zeros(2, 5, dtype=torch.float16))
+    assert torch.isnan(a).all() and torch.isnan(b).all()

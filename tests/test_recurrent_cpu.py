@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gdngen.plan import build_plan
-from gdngen.selfcheck import make_inputs, reference_outputs, rel_rmse
+from gdngen.selfcheck import make_inputs, poisoned_memory, reference_outputs, rel_rmse
 from gdngen.spec import catalogue, load_spec
 
 SPECS = [p.stem for p in catalogue()]
@@ -28,20 +28,9 @@ def _options(name, **options):
 
 
 def _poisoned(fn, *args, **kwargs):
-    """Run with torch.empty poisoned: anything the kernel forgets to write (or must skip) is NaN."""
-    real_empty = torch.empty
-
-    def nan_empty(*a, **kw):
-        out = real_empty(*a, **kw)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    torch.empty = nan_empty
-    try:
+    """Run with fresh memory NaN-poisoned: anything the kernel forgets to write (or must skip) is NaN."""
+    with poisoned_memory():
         return fn(*args, **kwargs)
-    finally:
-        torch.empty = real_empty
 
 
 def _recurrent(name, inputs, **options):

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from gdngen.render import build, is_stale
-from gdngen.selfcheck import make_inputs, reference_outputs, rel_rmse
+from gdngen.selfcheck import make_inputs, poisoned_memory, reference_outputs, rel_rmse
 from gdngen.spec import SpecError, load_spec, spec_from_dict
 
 NAMES = ["gated_delta_rule", "simple_gla", "delta_rule"]
@@ -35,20 +35,9 @@ def _module(name):
 
 
 def _poisoned(fn, *args, **kwargs):
-    """Run with torch.empty poisoned: any output element the kernels forget to write is NaN."""
-    real_empty = torch.empty
-
-    def nan_empty(*a, **kw):
-        out = real_empty(*a, **kw)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    torch.empty = nan_empty
-    try:
+    """Run with fresh memory NaN-poisoned: anything the kernel forgets to write (or must skip) is NaN."""
+    with poisoned_memory():
         return fn(*args, **kwargs)
-    finally:
-        torch.empty = real_empty
 
 
 def _run(name, kind, inputs, chunk_size=16, **options):

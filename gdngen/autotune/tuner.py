@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -27,7 +26,7 @@ from gdngen.autotune import cache as _cache
 from gdngen.autotune import space as _space
 from gdngen.autotune.device import DeviceInfo, current_device
 from gdngen.runtime.tiles import default_tiles, override, record_stages
-from gdngen.selfcheck import make_inputs, rel_rmse
+from gdngen.selfcheck import make_inputs, poisoned_memory, rel_rmse
 
 # rel. RMSE against the default config's outputs (and 8x that for the worst element relative to
 # the largest): different accumulation orders stay far inside, a miscompile is O(1) off.
@@ -127,23 +126,6 @@ def _pinned(spec_name: str, configs: dict):
         for stage, config in configs.items():
             stack.enter_context(override(spec_name, stage, **config))
         yield
-
-
-@contextlib.contextmanager
-def _poisoned():
-    """torch.empty returns NaN-filled memory inside the block, so rows a kernel forgets to write
-    cannot pass the check by holding the previous run's values."""
-    was_on, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
 
 
 def check_outputs(got, want, dtype: torch.dtype, tol: Optional[float] = None) -> Optional[str]:
@@ -255,7 +237,7 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
             for BT in chunk_list:
                 sizes = dict(K=case.K, V=case.V, BT=BT, N=case.B, HV=case.HV, dtype=case.dtype)
                 with record_stages() as seen:
-                    with _poisoned():
+                    with poisoned_memory():
                         baseline_configs = {s: default_tiles(s, **sizes) for s in _space.STAGES}
                         with _pinned(spec.name, baseline_configs):
                             reference = run(inputs, BT)
@@ -310,7 +292,7 @@ def _tune_stage(spec, case: ShapeCase, BT: int, stage: str, configs: list, curre
                 return run(inputs, BT)
 
         try:
-            with _poisoned():
+            with poisoned_memory():
                 got = call()
             cand.rejected = check_outputs(got, reference, case.dtype, tol)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is data
