@@ -118,9 +118,12 @@ class _Call:
         return decay if decay in ("none", "scalar", "vector") else None
 
 
-def _check_transfer(transfer: str) -> None:
+def _check_transfer(call: _Call, transfer: str) -> None:
     if transfer not in _TRANSFERS:
         raise ValueError(f"transfer: expected one of {list(_TRANSFERS)}, got {transfer!r}")
+    if transfer == "closed_form" and call.closed_form_decay() is None:
+        raise ValueError("transfer: 'closed_form' needs an additive spec (no delta rule) called without "
+                         "use_gate_in_kernel / use_qk_l2norm_in_kernel; use 'auto' or 'op'")
 
 
 # =============================================================================================
@@ -307,9 +310,6 @@ def _closed_form_pass(call: _Call, layout: _Layout, decay: str) -> _Pass:
 
 def _local_pass(call: _Call, layout: _Layout, transfer: str) -> _Pass:
     decay = call.closed_form_decay()
-    if transfer == "closed_form" and decay is None:
-        raise ValueError("transfer: 'closed_form' needs an additive spec (no delta rule) called without "
-                         "use_gate_in_kernel / use_qk_l2norm_in_kernel; use 'auto' or 'op'")
     if transfer == "op" or decay is None:
         return _op_pass(call, layout)
     return _closed_form_pass(call, layout, decay)
@@ -570,8 +570,8 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **
     Communication per call: one all_gather of ``[P, HV, K, V + K]`` float32 (P = B, or 1 for varlen)
     and, with ``output_final_state``, one all_reduce of the final states; the same again in backward.
     """
-    _check_transfer(transfer)
     call = _Call.bind(fn, args, kwargs)
+    _check_transfer(call, transfer)
     group = _default_group(group)
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
@@ -675,8 +675,8 @@ def split_sequence_forward(fn: Callable, *args, segments="auto", transfer: str =
     Differentiable (plain autograd, one backward pass of the op). Packed varlen batches are split
     per sequence. ``transfer`` as in :func:`context_parallel`.
     """
-    _check_transfer(transfer)
     call = _Call.bind(fn, args, kwargs)
+    _check_transfer(call, transfer)
     B, T, H, HV, K, V = call.shape
     cu_seqlens = call.named["cu_seqlens"]
     offsets = _host_offsets(cu_seqlens) if cu_seqlens is not None else None

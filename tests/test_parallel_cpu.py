@@ -1,0 +1,195 @@
+"""Context parallelism on CPU: gloo process groups of 2 and 4 ranks under the Triton interpreter.
+
+CP == one process for outputs, final states and every gradient (q, k, v, g, beta, initial_state,
+A_log, dt_bias), dense and varlen (sequences crossing one or several shard boundaries, an empty
+sequence), for the delta family (through the widened op pass) and the additive family (closed-form
+transfer, and the op pass). The intra-card split == no split. Each group of cases shares one spawn
+(every process imports torch once) and writes its results to files the test compares.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gdngen import parallel
+from gdngen.parallel import choose_segments, context_parallel, split_sequence_forward
+from gdngen.selfcheck import make_inputs, rel_rmse
+
+TOL = 1e-5            # float32 inputs: CP and one process differ by float rounding only
+CHUNK = 16
+REPLICATED = ("initial_state", "A_log", "dt_bias")     # every rank passes these whole
+
+# (spec, shape, options, transfer): shape is make_inputs keywords; lengths = a packed varlen batch.
+CASES_2 = [
+    ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto"),
+    ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto"),
+    ("gated_delta_rule", dict(B=1, T=48, lengths=None, fused_gate=True, beta_logits=True),
+     dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+          allow_neg_eigval=True), "auto"),
+    ("simple_gla", dict(lengths=[40, 9, 31, 16]), {}, "auto"),
+    ("kda", dict(lengths=[30, 34]), {}, "auto"),
+]
+# 4 ranks of 12 tokens: the 35-token sequence crosses three boundaries; one sequence is empty
+CASES_4 = [
+    ("gated_delta_rule", dict(lengths=[3, 35, 0, 10]), {}, "auto"),
+    ("gla", dict(lengths=[3, 35, 0, 10]), {}, "auto"),
+    ("simple_gla", dict(B=2, T=32, lengths=None), {}, "auto"),
+]
+
+
+def _chunk_fn(name):
+    return getattr(importlib.import_module(f"generated.{name}"), f"chunk_{name}")
+
+
+def _case_inputs(case):
+    """Full-sequence float32 inputs and the loss weights (same on every process)."""
+    name, shape, options, _ = case
+    spec = importlib.import_module(f"generated.{name}").SPEC
+    x = make_inputs(spec, H=1, HV=2, K=16, V=16, seed=7, **shape)       # HV = 2 H: grouped value heads
+    gen = torch.Generator().manual_seed(3)
+    weights = (torch.randn(x["v"].shape, generator=gen), torch.randn(x["initial_state"].shape, generator=gen))
+    return x, weights
+
+
+def _leaves(x):
+    return {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in x.items()}
+
+
+def _grads(leaves):
+    return {k: v.grad for k, v in leaves.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+
+
+def _single(case):
+    """One process: (o, final_state, grads) of loss = <w_o, o> + <w_f, final_state>."""
+    name, _, options, _ = case
+    x, (w_o, w_f) = _case_inputs(case)
+    leaves = _leaves(x)
+    o, final = _chunk_fn(name)(**leaves, output_final_state=True, chunk_size=CHUNK, **options)
+    ((o * w_o).sum() + (final * w_f).sum()).backward()
+    return o.detach(), final.detach(), _grads(leaves)
+
+
+def _sharded(case, rank, world):
+    """This rank's part of the same loss through context_parallel (the final-state term on rank 0 only)."""
+    name, _, options, transfer = case
+    x, (w_o, w_f) = _case_inputs(case)
+    x = {k: (v.chunk(world, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
+    leaves = _leaves(x)
+    o, final = context_parallel(_chunk_fn(name), **leaves, output_final_state=True, chunk_size=CHUNK,
+                                transfer=transfer, **options)
+    loss = (o * w_o.chunk(world, dim=1)[rank]).sum()
+    if rank == 0:
+        loss = loss + (final * w_f).sum()
+    loss.backward()
+    return o.detach(), final.detach(), _grads(leaves)
+
+
+def _worker(rank, world, store, cases, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        for i, case in enumerate(cases):
+            torch.save(_sharded(case, rank, world), os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
+        if world == 2:
+            _worker_checks(rank)
+        torch.save("done", os.path.join(out_dir, f"checks_rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_checks(rank):
+    """Inference (no graph kept), bad arguments and the byte counter, inside a live 2-rank group."""
+    x, _ = _case_inputs(CASES_2[1])
+    fn = _chunk_fn("gated_delta_rule")
+    shards = {k: (v.chunk(2, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
+    parallel.COMM_BYTES["forward"] = 0
+    with torch.no_grad():
+        o, final = context_parallel(fn, **shards, output_final_state=True, chunk_size=CHUNK)
+    # one all_gather of [1, HV, K, V + K] float32 from each of 2 ranks, one all_reduce of [N, HV, K, V]
+    expected = 2 * 2 * 16 * 32 * 4 + 4 * 2 * 16 * 16 * 4
+    if parallel.COMM_BYTES["forward"] != expected or o.requires_grad:
+        raise AssertionError(f"bytes {parallel.COMM_BYTES['forward']} != {expected}")
+    bad = dict(shards, cu_seqlens=torch.tensor([0, 20, 40], dtype=torch.int32))   # ends at 40, not 96
+    try:
+        context_parallel(fn, **bad)
+    except ValueError as exc:
+        if "cu_seqlens" not in str(exc):
+            raise
+    else:
+        raise AssertionError("mismatched cu_seqlens was accepted")
+
+
+def _run_group(tmp_path, world, cases):
+    out_dir = str(tmp_path)
+    workers = mp.spawn(_worker, args=(world, str(tmp_path / "store"), cases, out_dir), nprocs=world, join=False)
+    expected = [_single(case) for case in cases]         # while the ranks run
+    workers.join()
+    for i, case in enumerate(cases):
+        o_ref, final_ref, grads_ref = expected[i]
+        results = [torch.load(os.path.join(out_dir, f"case{i}_rank{r}.pt")) for r in range(world)]
+        label = f"{case[0]} {case[1]} {case[3]}"
+        o = torch.cat([r[0] for r in results], dim=1)
+        assert rel_rmse(o, o_ref) <= TOL, (label, "o", rel_rmse(o, o_ref))
+        for r, result in enumerate(results):     # the same final states on every rank
+            assert rel_rmse(result[1], final_ref) <= TOL, (label, "final_state", r, rel_rmse(result[1], final_ref))
+        assert set(results[0][2]) == set(grads_ref), (label, set(results[0][2]), set(grads_ref))
+        for name, ref in grads_ref.items():
+            parts = [r[2][name] for r in results]
+            got = sum(parts) if name in REPLICATED else torch.cat(parts, dim=1)
+            assert rel_rmse(got, ref) <= TOL, (label, "d" + name, rel_rmse(got, ref))
+    for r in range(world):
+        assert os.path.exists(os.path.join(out_dir, f"checks_rank{r}.pt"))
+
+
+def test_context_parallel_2_ranks(tmp_path):
+    """Dense with initial states, varlen across the boundary, fused gates; GDN, simple_gla, kda."""
+    _run_group(tmp_path, 2, CASES_2)
+
+
+def test_context_parallel_4_ranks(tmp_path):
+    """A sequence crossing three shard boundaries, an empty sequence; GDN, gla, simple_gla."""
+    _run_group(tmp_path, 4, CASES_4)
+
+
+@pytest.mark.parametrize("name, lengths, transfer", [
+    ("gated_delta_rule", [20, 50, 7, 19], "auto"),
+    ("gla", None, "auto"),
+    ("simple_gla", [30, 0, 66], "op"),
+])
+def test_split_sequence_matches_unsplit(name, lengths, transfer):
+    """Intra-card split into segments == the plain call: outputs, final states, every gradient."""
+    x, (w_o, w_f) = _case_inputs((name, dict(B=2, T=64, lengths=lengths), {}, transfer))
+    results = []
+    for segments in (1, 3):
+        leaves = _leaves(x)
+        o, final = split_sequence_forward(_chunk_fn(name), **leaves, output_final_state=True, chunk_size=CHUNK,
+                                          segments=segments, transfer=transfer)
+        ((o * w_o).sum() + (final * w_f).sum()).backward()
+        results.append((o.detach(), final.detach(), _grads(leaves)))
+    (o_ref, final_ref, grads_ref), (o, final, grads) = results
+    assert rel_rmse(o, o_ref) <= TOL and rel_rmse(final, final_ref) <= TOL
+    for key, ref in grads_ref.items():
+        assert rel_rmse(grads[key], ref) <= TOL, (key, rel_rmse(grads[key], ref))
+
+
+def test_split_arguments():
+    assert choose_segments(8, 1 << 20, "cpu") == 1            # CPU: never split
+    x, _ = _case_inputs(("simple_gla", dict(B=1, T=32, lengths=None), {}, "auto"))
+    fn = _chunk_fn("simple_gla")
+    with pytest.raises(ValueError, match="segments"):
+        split_sequence_forward(fn, **x, segments=0)
+    with pytest.raises(ValueError, match="transfer"):
+        split_sequence_forward(fn, **x, transfer="scan")
+    with pytest.raises(ValueError, match="transfer"):
+        split_sequence_forward(_chunk_fn("delta_rule"), **_case_inputs(
+            ("delta_rule", dict(B=1, T=32, lengths=None), {}, "auto"))[0], segments=2, transfer="closed_form")
+    with pytest.raises(TypeError, match="fn"):
+        split_sequence_forward(lambda q, k, v: None, **x)
+    with pytest.raises(ValueError, match="group"):
+        context_parallel(fn, **x)          # no process group in the test process
