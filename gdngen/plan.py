@@ -40,6 +40,10 @@ class Plan:
     exprs: dict = field(default_factory=dict)     # printed Triton expressions for the templates
     info: dict = field(default_factory=dict)      # spec summary the runtime validation reads
     reason: str = ""                 # why the backend is "reference", when it is
+    # backward: "triton" (generated kernels, BACKWARD_STAGES) or "reference" (float64 replay)
+    backward_backend: str = "reference"
+    backward_stages: tuple[Stage, ...] = ()
+    backward_reason: str = ""
 
 
 STAGES = {
@@ -120,8 +124,54 @@ def build_plan(spec: Spec) -> Plan:
         # the blocked scores unroll over 16-row sub-blocks: one output kernel per chunk size
         stages = tuple(Stage(s.name, s.template, "_output_fwd_kernel_bt<BT>", s.purpose) if s.name == "output" else s
                        for s in stages)
+    backward_backend, backward_stages, backward_reason, backward_exprs = _backward_plan(spec, alg)
+    exprs.update(backward_exprs)
     return Plan(spec=spec, backend="triton", stages=stages,
-                exprs=exprs, info=info)
+                exprs=exprs, info=info, backward_backend=backward_backend,
+                backward_stages=backward_stages, backward_reason=backward_reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward stages: the generated chunkwise backward. It keeps nothing from the forward call: it
+# recomputes the chunk-start states (<op>_fwd_states) and everything inside a chunk. The gradient
+# recipe is checked against differentiation of the recurrence (algebra.backward); the gate
+# derivatives are derived there with sympy.diff and printed here.
+# ---------------------------------------------------------------------------------------------
+
+BACKWARD_STAGES = {
+    "wy_prep": Stage("wy_prep", "stages/backward_wy.py.j2", "_wy_bwd_prep_kernel",
+                     "recompute T = (I + A)^-1 and W = T diag(beta) (K * key_w_decay) per chunk (delta rule)"),
+    "state": Stage("state", "stages/backward_state.py.j2", "_state_bwd_kernel",
+                   "reverse pass over chunks: dh (gradient on each chunk's end state), dh0, and the "
+                   "gradient of the values (v, or V_new for the delta rule)"),
+    "chunk": Stage("chunk", "stages/backward_chunk.py.j2", "_chunk_bwd_kernel",
+                   "chunk-parallel dq, dk, dW and the log-decay cumsum gradient from h, dh, dO"),
+    "wy": Stage("wy", "stages/backward_wy.py.j2", "_wy_bwd_kernel",
+                "through T = (I + A)^-1, W and U: dk, dv, dbeta and the decay gradient (delta rule)"),
+    "gates": Stage("gates", "stages/backward_gates.py.j2", "_gates_bwd_kernel",
+                   "reverse cumsum of the decay gradient per chunk, floor mask, fused gate and beta activations"),
+    "l2norm": Stage("l2norm", "stages/backward_l2norm.py.j2", "_l2norm_bwd_kernel",
+                    "backward of the q/k L2 normalisation (use_qk_l2norm_in_kernel)"),
+}
+
+
+def _backward_plan(spec: Spec, alg) -> tuple:
+    """(backend, stages, reason, printed expressions) of the chunk backward for ``spec``."""
+    if alg.per_channel:
+        return ("reference", (), "per-channel decay has no generated backward yet", {})
+    t = spec.transition
+    names = (["wy_prep"] if t.delta else []) + ["state", "chunk"] + (["wy"] if t.delta else [])
+    names += ["gates"] + (["l2norm"] if spec.qk_l2norm else [])
+    d = algebra.gate_derivatives()
+    gate_names = {"x": "b_x", "A_log": "b_A_log", "dt_bias": "b_dt_bias"}
+    exprs = {
+        "decay_activation_dx": _print(d["decay_dx"], gate_names),
+        "decay_activation_dA_log": _print(d["decay_dA_log"], gate_names),
+        "decay_activation_raw": _print(algebra.decay_activation(), gate_names),
+        "beta_activation_db": _print(d["beta_db"], {"b": "b_b"}),
+        "beta_activation_neg_db": _print(d["beta_neg_db"], {"b": "b_b"}),
+    }
+    return ("triton", tuple(BACKWARD_STAGES[n] for n in names), "", exprs)
 
 
 def public_api(plan: Plan) -> dict:
@@ -147,8 +197,13 @@ def public_api(plan: Plan) -> dict:
     else:
         summary = f"Chunkwise {spec.name}: S_t = {rule}S_(t-1) + k_t v_t^T, o_t = S_t^T (scale q_t)."
     if plan.backend == "triton":
-        note = ("Forward: generated Triton kernels (compiled on CUDA, interpreted on CPU under "
-                "TRITON_INTERPRET=1). Backward: the float64 reference until generated backward kernels land.")
+        if plan.backward_backend == "triton":
+            note = ("Forward and backward: generated Triton kernels (compiled on CUDA, interpreted on CPU "
+                    "under TRITON_INTERPRET=1). The backward keeps nothing from the forward: it recomputes "
+                    "the chunk-start states and every intra-chunk quantity, and is deterministic (no atomics).")
+        else:
+            note = ("Forward: generated Triton kernels (compiled on CUDA, interpreted on CPU under "
+                    f"TRITON_INTERPRET=1). Backward: the float64 reference ({plan.backward_reason}).")
     else:
         note = f"Forward and backward: the float64 reference ({plan.reason})."
     if t.delta:

@@ -1,0 +1,155 @@
+"""The generated chunkwise backward (issue #4) against autograd through the float64 reference.
+
+CPU tier: kernels run under the Triton interpreter, so shapes stay small (T <= 50, K, V <= 32,
+plus one V = 100 case for odd head dims). Every gradient is compared: q, k, v, g, beta, the
+initial state, A_log and dt_bias, with a gradient on the final state too; every buffer the
+backward allocates is NaN-poisoned, so an element a kernel forgets to write fails the check.
+"""
+import dataclasses
+import importlib
+
+import pytest
+import sympy as sp
+import torch
+
+from gdngen import reference
+from gdngen.algebra import G_LAST, check_chunk_backward, derive, gate_derivatives, l2norm_backward
+from gdngen.plan import build_plan
+from gdngen.selfcheck import make_inputs, poisoned_memory, rel_rmse
+from gdngen.spec import load_spec
+
+FP32_TOL = 1e-4
+FP16_TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "initial_state": 8e-3,
+            "A_log": 2e-2, "dt_bias": 2e-2}
+ALL_FUSED = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 allow_neg_eigval=True)
+
+
+def _grads(name, *, dtype=torch.float32, options=None, chunk_size=16, final_grad=True, hard_decay=False,
+           positive_qk=False, seed=0, **shape):
+    """(generated grads, float64 reference grads) by input name, for one random problem."""
+    options = dict(options or {})
+    spec = load_spec(f"specs/{name}.yaml")
+    module = importlib.import_module(f"generated.{name}")
+    inputs = make_inputs(spec, dtype=dtype, seed=seed, fused_gate=options.get("use_gate_in_kernel", False),
+                         beta_logits=options.get("use_beta_sigmoid_in_kernel", False), **shape)
+    if positive_qk:
+        # normalised linear attention divides by q . sum(k): positive features (elu + 1 style) keep
+        # that away from zero, as the feature maps it is meant for do
+        for n in ("q", "k"):
+            inputs[n] = torch.nn.functional.elu(inputs[n]) + 1
+    if hard_decay:
+        # log-decays below the gates stage's floor (-60): a floored value has no gradient
+        inputs["g"][..., 3, :] = -80.0
+        inputs["g"][..., -1, 0] = -200.0
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    args = {**inputs, **leaves}
+    with poisoned_memory():
+        o, ht = getattr(module, spec.chunk_function)(**args, output_final_state=final_grad,
+                                                      chunk_size=chunk_size, **options)
+        gen = torch.Generator().manual_seed(seed + 1)
+        do = torch.randn(o.shape, generator=gen).to(o.dtype)
+        outputs, cotangents = [o], [do]
+        if final_grad:
+            outputs.append(ht)
+            cotangents.append(torch.randn(ht.shape, generator=gen))
+        got = torch.autograd.grad(outputs, list(leaves.values()), cotangents)
+
+    ref_leaves = {n: x.detach().double().requires_grad_(True) for n, x in leaves.items()}
+    ref_args = {**inputs, **ref_leaves}
+    positional = [ref_args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
+    ro, rht = reference.run(spec, *positional, form="recurrent", output_final_state=True, **ref_args, **options)
+    ref_outputs = [ro] + ([rht] if final_grad else [])
+    want = torch.autograd.grad(ref_outputs, list(ref_leaves.values()), [c.double() for c in cotangents])
+    return dict(zip(leaves, got)), dict(zip(leaves, want))
+
+
+def _check(got, want, tol):
+    errors = {n: rel_rmse(got[n], want[n]) for n in got}
+    limits = {n: tol[n] if isinstance(tol, dict) else tol for n in got}
+    bad = {n: f"{e:.2e} > {limits[n]:.0e}" for n, e in errors.items() if not e <= limits[n]}
+    assert not bad, f"relative RMSE vs the float64 reference: {bad} (all: {errors})"
+    for n in got:
+        assert got[n].dtype == want[n].dtype or got[n].dtype != torch.float64, n
+
+
+FP32_CASES = {
+    # additive family
+    "linear_attn-normalize-off": ("linear_attn", dict(B=2, T=40, H=2, HV=2, K=16, V=16, options=dict(normalize=False), chunk_size=64)),
+    "linear_attn-normalize-varlen": ("linear_attn", dict(lengths=[9, 0, 1, 22], H=1, HV=2, K=16, V=16, h0=False,
+                                                         positive_qk=True, options=dict(normalize=True), chunk_size=16)),
+    "simple_gla-gva-odd-bt32-floor": ("simple_gla", dict(B=2, T=45, H=1, HV=2, K=20, V=12, chunk_size=32, hard_decay=True)),
+    "simple_gla-varlen-bt16": ("simple_gla", dict(lengths=[7, 0, 1, 33], H=1, HV=2, K=16, V=16, chunk_size=16)),
+    # delta family
+    "gated_delta_rule-varlen-fused-bt16": ("gated_delta_rule", dict(lengths=[7, 0, 1, 33], H=1, HV=2, K=20, V=12,
+                                                                   chunk_size=16, options=ALL_FUSED)),
+    "gated_delta_rule-dense-bt64": ("gated_delta_rule", dict(B=2, T=50, H=1, HV=2, K=32, V=32, chunk_size=64)),
+    "gated_delta_rule-sigmoid-no-h0-no-dht-bt32": ("gated_delta_rule", dict(
+        B=1, T=37, H=2, HV=2, K=16, V=16, chunk_size=32, h0=False, final_grad=False,
+        options=dict(use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True))),
+    "delta_rule-l2norm-v100-bt32": ("delta_rule", dict(B=1, T=35, H=1, HV=2, K=20, V=100, chunk_size=32,
+                                                       options=dict(use_qk_l2norm_in_kernel=True,
+                                                                    use_beta_sigmoid_in_kernel=True))),
+}
+
+
+@pytest.mark.parametrize("case", list(FP32_CASES))
+def test_backward_fp32_matches_reference(case):
+    name, kwargs = FP32_CASES[case]
+    got, want = _grads(name, **kwargs)
+    _check(got, want, FP32_TOL)
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+def test_backward_fp16_matches_reference(name):
+    options = ALL_FUSED if name == "gated_delta_rule" else {}
+    got, want = _grads(name, dtype=torch.float16, B=1, T=40, H=1, HV=2, K=32, V=32, chunk_size=16, options=options)
+    _check(got, want, FP16_TOL)
+
+
+def test_backward_is_bitwise_reproducible():
+    first, _ = _grads("gated_delta_rule", lengths=[7, 0, 1, 25], H=1, HV=2, K=16, V=16, chunk_size=16,
+                      options=ALL_FUSED)
+    second, _ = _grads("gated_delta_rule", lengths=[7, 0, 1, 25], H=1, HV=2, K=16, V=16, chunk_size=16,
+                       options=ALL_FUSED)
+    for n in first:
+        assert torch.equal(first[n], second[n]), f"{n} differs between two identical runs"
+
+
+def test_backward_plan_covers_none_and_scalar_decay():
+    for name in ("linear_attn", "simple_gla", "delta_rule", "gated_delta_rule"):
+        plan = build_plan(load_spec(f"specs/{name}.yaml"))
+        assert plan.backward_backend == "triton", name
+        assert [s.name for s in plan.backward_stages][-2:] in (["chunk", "gates"], ["wy", "gates"],
+                                                               ["gates", "l2norm"])
+    for name in ("gla", "kda"):      # per-channel decay: still the float64 replay
+        plan = build_plan(load_spec(f"specs/{name}.yaml"))
+        assert plan.backward_backend == "reference" and plan.backward_reason
+
+
+@pytest.mark.parametrize("decay", ["none", "scalar"])
+@pytest.mark.parametrize("delta", [False, True])
+def test_backward_recipe_equals_differentiated_recurrence(decay, delta):
+    report = check_chunk_backward(decay, delta, C=3)
+    assert report.entries >= 20
+
+
+def test_backward_recipe_check_catches_a_wrong_factor():
+    wrong = dataclasses.replace(derive("scalar", True), key_update_decay=sp.exp(G_LAST))
+    with pytest.raises(AssertionError, match="differentiation gives"):
+        check_chunk_backward("scalar", True, algebra=wrong)
+
+
+def test_gate_derivatives_and_l2norm_backward():
+    d = gate_derivatives()
+    x, a, b = sp.Symbol("x", real=True), sp.Symbol("A_log", real=True), sp.Symbol("b", real=True)
+    for name, expr, at in [("decay_dx", d["decay_dx"], {x: 0.3, a: -0.2, sp.Symbol("dt_bias", real=True): 0.1}),
+                           ("beta_db", d["beta_db"], {b: 0.7})]:
+        value = float(expr.rewrite(sp.exp).subs(at).evalf())
+        if name == "decay_dx":
+            want = -torch.exp(torch.tensor(-0.2)) * torch.sigmoid(torch.tensor(0.4))
+        else:
+            want = torch.sigmoid(torch.tensor(0.7)) * (1 - torch.sigmoid(torch.tensor(0.7)))
+        assert abs(value - float(want)) < 1e-6, name
+    assert l2norm_backward(3).shape == (3, 1)
