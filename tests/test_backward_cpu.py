@@ -7,6 +7,7 @@ backward allocates is NaN-poisoned, so an element a kernel forgets to write fail
 """
 import dataclasses
 import importlib
+from unittest import mock
 
 import pytest
 import sympy as sp
@@ -45,7 +46,9 @@ def _grads(name, *, dtype=torch.float32, options=None, chunk_size=16, final_grad
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
     args = {**inputs, **leaves}
-    with poisoned_memory():
+    # the float64 replay must not be what answers: make it fail if the op falls back to it
+    replay = mock.patch.object(module, "reference_grads", side_effect=AssertionError("fell back to the replay"))
+    with poisoned_memory(), replay:
         o, ht = getattr(module, spec.chunk_function)(**args, output_final_state=final_grad,
                                                       chunk_size=chunk_size, **options)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -115,6 +118,20 @@ def test_backward_is_bitwise_reproducible():
                        options=ALL_FUSED)
     for n in first:
         assert torch.equal(first[n], second[n]), f"{n} differs between two identical runs"
+
+
+def test_backward_with_a_broadcast_output_gradient():
+    """o.sum() hands the backward a stride-0 gradient; the op makes it contiguous."""
+    spec = load_spec("specs/simple_gla.yaml")
+    module = importlib.import_module("generated.simple_gla")
+    inputs = make_inputs(spec, B=1, T=20, H=1, HV=2, K=16, V=16, h0=False)
+    leaves = {n: inputs[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
+    o, _ = module.chunk_simple_gla(**{**inputs, **leaves}, chunk_size=16)
+    got = torch.autograd.grad(o.sum(), list(leaves.values()))
+    ref = {n: x.detach().double().requires_grad_(True) for n, x in leaves.items()}
+    ro, _ = reference.run(spec, ref["q"], ref["k"], ref["v"], ref["g"])
+    want = torch.autograd.grad(ro.sum(), list(ref.values()))
+    _check(dict(zip(leaves, got)), dict(zip(leaves, want)), FP32_TOL)
 
 
 def test_backward_plan_covers_none_and_scalar_decay():
