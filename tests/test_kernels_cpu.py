@@ -149,3 +149,22 @@ def test_poisoned_memory_fills_fresh_tensors_with_nan():
         a = torch.empty(4, 3)
         b = torch.empty_like(torch.zeros(2, 5, dtype=torch.float16))
     assert torch.isnan(a).all() and torch.isnan(b).all()
+
+
+@pytest.mark.parametrize("name", ["delta_rule", "gated_delta_rule", "kda"])
+@pytest.mark.parametrize("wu_in_memory", [False, True])
+@pytest.mark.parametrize("case", ["dense", "varlen", "odd"])
+def test_delta_state_pass_with_and_without_wu_in_memory(name, wu_in_memory, case):
+    """Both wy/state variants: T only (V_new formed in the state pass) and W, U written by wy."""
+    from gdngen.runtime import override, store_wu
+    shape = {"dense": dict(B=2, T=45, H=2, HV=4, K=16, V=16), "varlen": dict(lengths=[7, 0, 1, 33, 16], H=1, HV=2),
+             "odd": dict(B=1, T=37, H=1, HV=1, K=20, V=12)}[case]
+    with override(name, "store_wu", value=wu_in_memory):
+        assert store_wu(name, N=64, HV=64) is wu_in_memory
+        _check(name, shape, chunk_size=32 if case == "dense" else 16, seed=11)
+
+
+def test_store_wu_default_follows_program_count():
+    from gdngen.runtime import store_wu
+    assert store_wu("gated_delta_rule", N=1, HV=8) is True       # few programs: the chain is critical
+    assert store_wu("gated_delta_rule", N=4, HV=32) is False     # many programs: traffic matters

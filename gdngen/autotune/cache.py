@@ -266,7 +266,8 @@ def _usable(table: _Table, key: str, entry: dict, *, spec_name: str, stage: str,
     if stage == "chunk":
         ok = set(config) == {"chunk_size"}
     else:
-        ok = (set(config) == set(CONFIG_KEYS) and is_valid(stage, config, K=K, V=V)
+        wanted = set(CONFIG_KEYS) - ({"BV"} if stage == "wy" else set())   # the wy stage has no V tile
+        ok = (set(config) == wanted and is_valid(stage, config, K=K, V=V)
               and excluded(stage, config, {"K": K, "V": V, "BT": BT, "dtype": dtype}) is None)
     if not ok:
         _warn_once(("invalid", where, key), f"gdngen: tile cache {table.path} entry {key} holds "

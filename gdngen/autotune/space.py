@@ -12,14 +12,14 @@ config of a shape is never pruned: it is the baseline every candidate is checked
 
 Registers per thread  = ceil(live fp32 elements per program / (32 * num_warps)) + REG_OVERHEAD
   wy      A and T = (I + A)^-1 as NB(NB+1) 16x16 fp32 blocks (NB = BT/16, lower triangles incl.
-          the diagonal of both), plus one [BT, max(BK, BV)] fp32 accumulator of W or U
+          the diagonal of both), plus the [BT, BK] key tile (the stage has no V tile: no BV)
   state   the [BK, BV] fp32 state (the whole K extent: BK covers K), plus the [BT, BV] V_new tile
   output  the [BT, BV] output accumulator plus the [BT, BT] fp32 score block
 must stay <= 255 (the per-thread hardware limit; past it the kernel spills to local memory).
 
 Shared memory per program = num_stages * (operand bytes streamed per loop step) + resident bytes
-  wy      streamed [BT, BK] keys or [BT, BV] values; resident T (BT x BT) as a dot operand
-  state   streamed k, w [BT, BK] and u [BT, BV]; resident the state as a [BK, BV] dot operand
+  wy      streamed [BT, BK] keys; resident T (BT x BT) on its way out
+  state   streamed k [BT, BK], v [BT, BV] and T [BT, BT]; resident the state as a [BK, BV] dot operand
   output  streamed q, k [BT, BK] and h [BK, BV]; resident A [BT, BT] and V_new [BT, BV]
 (element size of the input dtype) must fit the device's shared memory per block
 (:data:`gdngen.autotune.device.SMEM_PER_BLOCK`, 227 KiB on H100/H200, 48 KiB when unknown).
@@ -96,10 +96,10 @@ def _esize(dtype: torch.dtype) -> int:
 
 
 def regs_per_thread(stage: str, config: dict, *, BT: int) -> int:
-    BK, BV = config["BK"], config["BV"]
+    BK, BV = config["BK"], config.get("BV", 0)
     if stage == "wy":
         nb = BT // 16
-        live = nb * (nb + 1) * 256 + BT * max(BK, BV)
+        live = nb * (nb + 1) * 256 + BT * BK
     elif stage == "state":
         live = BK * BV + BT * BV
     elif stage == "output":
@@ -110,11 +110,11 @@ def regs_per_thread(stage: str, config: dict, *, BT: int) -> int:
 
 
 def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
-    BK, BV, e = config["BK"], config["BV"], _esize(dtype)
+    BK, BV, e = config["BK"], config.get("BV", 0), _esize(dtype)
     if stage == "wy":
-        streamed, resident = BT * max(BK, BV), BT * BT
+        streamed, resident = BT * BK, BT * BT
     elif stage == "state":
-        streamed, resident = BT * (2 * BK + BV), BK * BV
+        streamed, resident = BT * (BK + BV + BT), BK * BV
     elif stage == "output":
         streamed, resident = 2 * BT * BK + BK * BV, BT * BT + BT * BV
     else:
@@ -136,13 +136,16 @@ def fits(stage: str, config: dict, *, BT: int, dtype: torch.dtype, device: Optio
 def is_valid(stage: str, config: dict, *, K: int, V: int) -> bool:
     """Structurally launchable for this head-dim pair (used on configs read from a cache too)."""
     try:
-        BK, BV, w, s = config["BK"], config["BV"], config["num_warps"], config["num_stages"]
+        BK, w, s = config["BK"], config["num_warps"], config["num_stages"]
+        BV = None if stage == "wy" else config["BV"]       # the wy stage has no V tile
     except (KeyError, TypeError):
         return False
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (BK, BV, w, s)):
+    if stage == "wy" and "BV" in config:
+        return False
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (BK, w, s) + (() if BV is None else (BV,))):
         return False
     # tiles past the head dim are masked, only wasteful (the output default keeps BV >= 64)
-    for tile, dim in ((BK, K), (BV, V)):
+    for tile, dim in ((BK, K),) + (() if BV is None else ((BV, V),)):
         if tile < MIN_TILE or tile & (tile - 1) or tile > max(128, _pow2(dim)):
             return False
     if stage == "state" and BK != max(MIN_TILE, _pow2(K)):   # the state keeps the whole K extent
@@ -176,8 +179,10 @@ def candidates(stage: str, *, K: int, V: int, BT: int, dtype: torch.dtype, defau
     shape = {"K": K, "V": V, "BT": BT, "dtype": dtype}
     bks = [max(MIN_TILE, _pow2(K))] if stage == "state" else _tiles_up_to(K)
     out = []
-    for bk, bv, w, s in itertools.product(bks, _tiles_up_to(V), WARPS, PIPELINE_STAGES):
-        config = {"BK": bk, "BV": bv, "num_warps": w, "num_stages": s}
+    bvs = [None] if stage == "wy" else _tiles_up_to(V)
+    for bk, bv, w, s in itertools.product(bks, bvs, WARPS, PIPELINE_STAGES):
+        config = {"BK": bk, "num_warps": w, "num_stages": s} if bv is None else \
+            {"BK": bk, "BV": bv, "num_warps": w, "num_stages": s}
         if config == default:
             continue
         rule = excluded(stage, config, shape)

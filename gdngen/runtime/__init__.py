@@ -2,7 +2,7 @@
 from gdngen.runtime.validate import Problem, validate_chunk_call
 from gdngen.runtime.varlen import chunk_tables
 from gdngen.runtime.launch import check_backend, contiguous, dot_precision, next_pow2
-from gdngen.runtime.tiles import override, tiles
+from gdngen.runtime.tiles import override, store_wu, tiles
 
 __all__ = ["Problem", "validate_chunk_call", "chunk_tables", "check_backend", "contiguous",
-           "dot_precision", "next_pow2", "override", "tiles"]
+           "dot_precision", "next_pow2", "override", "store_wu", "tiles"]

@@ -37,7 +37,7 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "wy":
-        return {"BK": min(64, pk), "BV": min(64, pv), "num_warps": 2, "num_stages": 2}
+        return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state":
         # the whole K extent of the state stays in registers: narrow V tiles for large K
         bv = min(pv, 64 if pk <= 128 else 16)
@@ -48,6 +48,22 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         # BV >= 64: BK=64 with BV=32 gave wrong outputs (K=64, V=32, bf16) under Triton 3.6 on Hopper
         return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
     raise ValueError(f"stage: unknown stage {stage!r}")
+
+
+def store_wu(spec_name: str, *, N: int, HV: int) -> bool:
+    """Whether the delta rule's wy stage writes W and U (True) or only T = (I + A)^-1 (False).
+
+    Writing only T saves memory traffic (BT values per token instead of K + V) but puts one more
+    dot on the state pass's sequential chain. With few sequences x heads the state pass runs on a
+    fraction of the SMs and that chain is the critical path, so W and U pay off there
+    (H200, K=V=128: (1,32768,2,8) 0.82 ms with W/U vs 0.99 ms with T; with N*HV >= 32, T wins:
+    (4,8192,16,32) 1.39 vs 1.69 ms - benchmarks/NOTES.md, run 6). ``override(spec, "store_wu",
+    value=...)`` forces either path.
+    """
+    forced = _OVERRIDES.get((spec_name, "store_wu"))
+    if forced is not None:
+        return bool(forced["value"])
+    return N * HV < 32
 
 
 def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
