@@ -200,6 +200,27 @@ def test_prefill_then_decode_equals_full_forward():
     assert layer._use_recurrence(x[:, :1]) is False     # outside no_grad the layer needs the chunk op
 
 
+def test_left_padded_prefill_then_decode_equals_packed_forward():
+    """A left-padded prompt batch through the cache, then two decode steps, equals each sequence run whole."""
+    layer, _ = _pair(recurrent_threshold=4)
+    T = 6
+    prompt = _f64(2, T, 32, seed=15).float()
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :T - 3] = 0
+    steps = _f64(2, 2, 32, seed=16).float()
+    with torch.no_grad():
+        cache = GatedDeltaNetCache()
+        out = [layer(prompt, attention_mask=mask, cache=cache)[:, -1:]]
+        for t in range(2):
+            out.append(layer(steps[:, t:t + 1], attention_mask=torch.ones(2, T + t + 1), cache=cache))
+        whole = [torch.cat([prompt[0], steps[0]]), torch.cat([prompt[1, T - 3:], steps[1]])]
+        cu = torch.tensor([0, 8, 13], dtype=torch.int32)
+        packed = layer(torch.cat(whole)[None], cu_seqlens=cu)[0]
+    got = torch.cat(out, 1)                                     # [2, 3, hidden]: last prompt token + 2 steps
+    want = torch.stack([packed[5:8], packed[10:13]])
+    assert rel_rmse(got, want) < 1e-5
+
+
 def test_auto_mode_picks_recurrence_only_without_grad_and_for_short_inputs(monkeypatch):
     import generated.gated_delta_rule as gdn
     picked = []
