@@ -192,30 +192,32 @@ def _local_cu(layout: _Layout, device) -> Optional[Tensor]:
     return torch.tensor(layout.cu_seqlens, dtype=torch.int32, device=device)
 
 
-def _apply_correction(o_fresh: Tensor, layout: _Layout, S_in: Tensor, term: Callable) -> Tensor:
-    """o = o_fresh + term(tokens, S_in) on every carried sequence; float32 sums, o's dtype out.
+def _state_product(p: Tensor, S: Tensor) -> Tensor:
+    """``[n, t, HV, K] x [n, HV, K, V] -> [n, t, HV, V]``: each token's row of ``p`` times its state.
 
-    ``term(b, start, end, S)`` returns the float32 ``[n, T_span, HV, V]`` correction of the tokens
-    ``start:end`` of dense rows ``b`` (a slice) or of the packed batch, ``S`` the matching start states.
+    One batched GEMM over the heads per sequence, in ``p``'s dtype (bf16 tensor cores on the GPU,
+    float32 accumulation; the op itself keeps chunk states in the input dtype). ``p``'s ``[t, K]``
+    rows of one head form a strided matrix that the GEMM reads in place, no transposed copy.
+    """
+    S = S.to(p.dtype)
+    out = [torch.bmm(p[b].transpose(0, 1), S[b]).transpose(0, 1) for b in range(p.shape[0])]
+    return out[0].unsqueeze(0) if len(out) == 1 else torch.stack(out)
+
+
+def _apply_correction(o_fresh: Tensor, layout: _Layout, S_in: Tensor, p_of: Callable) -> Tensor:
+    """``o = o_fresh + S_in^T p_t`` on the carried sequences (fresh ones have ``S_in = 0``: unchanged).
+
+    ``p_of(start, end)`` gives ``p`` for tokens ``start:end`` of every row, ``[B, t, HV, K]``.
     """
     if layout.cu_seqlens is None:
-        rows = [i for i, c in enumerate(layout.carry) if c]
-        if len(rows) == layout.count:
-            fix = term(slice(None), 0, o_fresh.shape[1], S_in)
-            return (o_fresh.float() + fix).to(o_fresh.dtype)
-        # mixed rows (split segments): correct the carried rows only
-        index = torch.tensor(rows, device=o_fresh.device)
-        fixed = (o_fresh.index_select(0, index).float() + term(index, 0, o_fresh.shape[1],
-                                                                S_in.index_select(0, index))).to(o_fresh.dtype)
-        return o_fresh.index_copy(0, index, fixed)
+        return o_fresh + _state_product(p_of(0, o_fresh.shape[1]), S_in).to(o_fresh.dtype)
     pieces, cursor = [], 0
     for i, (start, end) in enumerate(layout.spans):
         if not layout.carry[i] or end == start:
             continue
         if start > cursor:
             pieces.append(o_fresh[:, cursor:start])
-        fix = term(slice(None), start, end, S_in[i:i + 1])
-        pieces.append((o_fresh[:, start:end].float() + fix).to(o_fresh.dtype))
+        pieces.append(o_fresh[:, start:end] + _state_product(p_of(start, end), S_in[i:i + 1]).to(o_fresh.dtype))
         cursor = end
     if cursor < o_fresh.shape[1]:
         pieces.append(o_fresh[:, cursor:])
@@ -251,11 +253,8 @@ def _op_pass(call: _Call, layout: _Layout) -> _Pass:
         p, final_M = call.run(v=v.new_zeros(B, T, HV, K), initial_state=identity.contiguous(),
                               output_final_state=True, cu_seqlens=cu)
 
-    def term(rows, start, end, S):
-        return torch.einsum("bthk,bhkv->bthv", p[rows, start:end].float(), S)
-
     return _Pass(o_fresh, final_N, final_M, layout,
-                 correction=lambda o, S_in: _apply_correction(o, layout, S_in, term))
+                 correction=lambda o, S_in: _apply_correction(o, layout, S_in, lambda lo, hi: p[:, lo:hi]))
 
 
 def _closed_form_pass(call: _Call, layout: _Layout, decay: str) -> _Pass:
@@ -277,20 +276,15 @@ def _closed_form_pass(call: _Call, layout: _Layout, decay: str) -> _Pass:
         g = g.float()
         g = torch.where(g < _LOG_DECAY_FLOOR, torch.full_like(g, _LOG_DECAY_FLOOR), g)
 
-    def log_decay(rows, start, end):
-        """Cumulative log-decay over tokens start:end, [n, t, HV] or [n, t, HV, K]."""
-        return torch.cumsum(g[rows, start:end], dim=1)
-
-    def term(rows, start, end, S):
-        qs = q[rows, start:end].float() * scale
+    def p_of(start, end):
+        """p_t = scale * q_t (decay none), times exp(cumulative log-decay) per head or key channel."""
+        p = q[:, start:end].float() * scale
         if HV != H:
-            qs = qs.repeat_interleave(HV // H, dim=2)     # value head hv reads q head hv // (HV // H)
-        if decay == "vector":
-            qs = qs * torch.exp(log_decay(rows, start, end))
-        out = torch.einsum("bthk,bhkv->bthv", qs, S)
-        if decay == "scalar":
-            out = out * torch.exp(log_decay(rows, start, end)).unsqueeze(-1)
-        return out
+            p = p.repeat_interleave(HV // H, dim=2)       # value head hv reads q head hv // (HV // H)
+        if g is not None:
+            decay_to_t = torch.exp(torch.cumsum(g[:, start:end], dim=1))
+            p = p * (decay_to_t.unsqueeze(-1) if decay == "scalar" else decay_to_t)
+        return p.to(o_fresh.dtype if o_fresh.dtype in (torch.float16, torch.bfloat16) else torch.float32)
 
     # transitions of the carried sequences: I, exp(sum g) I or diag(exp(sum g)); 0 for fresh rows
     carried = [i for i in range(layout.count) if layout.carry[i]]
@@ -305,7 +299,7 @@ def _closed_form_pass(call: _Call, layout: _Layout, decay: str) -> _Pass:
     final_M = torch.zeros(layout.count, HV, K, K, device=q.device, dtype=torch.float32).index_copy(
         0, torch.tensor(carried, device=q.device), torch.diag_embed(torch.exp(log_total)))
     return _Pass(o_fresh, final_N, final_M, layout,
-                 correction=lambda o, S_in: _apply_correction(o, layout, S_in, term))
+                 correction=lambda o, S_in: _apply_correction(o, layout, S_in, p_of))
 
 
 def _local_pass(call: _Call, layout: _Layout, transfer: str) -> _Pass:

