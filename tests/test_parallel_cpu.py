@@ -24,7 +24,8 @@ TOL = 1e-5            # float32 inputs: CP and one process differ by float round
 CHUNK = 16
 REPLICATED = ("initial_state", "A_log", "dt_bias")     # every rank passes these whole
 
-# (spec, shape, options, transfer): shape is make_inputs keywords; lengths = a packed varlen batch.
+# (spec, shape, options, transfer): shape is make_inputs keywords (lengths: a packed varlen batch;
+# h0=False: no initial state); options go to the op (output_final_state defaults to True here).
 CASES_2 = [
     ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto"),
     ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto"),
@@ -38,7 +39,7 @@ CASES_2 = [
 # 4 ranks of 12 tokens: the 35-token sequence crosses three boundaries; one sequence is empty
 CASES_4 = [
     ("gated_delta_rule", dict(lengths=[3, 35, 0, 10]), {}, "auto"),
-    ("simple_gla", dict(B=2, T=32, lengths=None), {}, "auto"),
+    ("simple_gla", dict(B=2, T=32, lengths=None, h0=False), dict(output_final_state=False), "auto"),
 ]
 
 
@@ -51,9 +52,15 @@ def _case_inputs(case):
     name, shape, options, _ = case
     spec = importlib.import_module(f"generated.{name}").SPEC
     x = make_inputs(spec, H=1, HV=2, K=16, V=16, seed=7, **shape)       # HV = 2 H: grouped value heads
+    N = x["q"].shape[0] if x["cu_seqlens"] is None else x["cu_seqlens"].numel() - 1
     gen = torch.Generator().manual_seed(3)
-    weights = (torch.randn(x["v"].shape, generator=gen), torch.randn(x["initial_state"].shape, generator=gen))
+    weights = (torch.randn(x["v"].shape, generator=gen), torch.randn(N, 2, 16, 16, generator=gen))
     return x, weights
+
+
+def _options(case):
+    """The op's keywords for a case: its options, output_final_state (default True), chunk size."""
+    return {"output_final_state": True, "chunk_size": CHUNK, **case[2]}
 
 
 def _leaves(x):
@@ -67,27 +74,27 @@ def _grads(leaves):
 
 def _single(case):
     """One process: (o, final_state, grads) of loss = <w_o, o> + <w_f, final_state>."""
-    name, _, options, _ = case
     x, (w_o, w_f) = _case_inputs(case)
     leaves = _leaves(x)
-    o, final = _chunk_fn(name)(**leaves, output_final_state=True, chunk_size=CHUNK, **options)
-    ((o * w_o).sum() + (final * w_f).sum()).backward()
-    return o.detach(), final.detach(), _grads(leaves)
+    o, final = _chunk_fn(case[0])(**leaves, **_options(case))
+    loss = (o * w_o).sum()
+    if final is not None:
+        loss = loss + (final * w_f).sum()
+    loss.backward()
+    return o.detach(), final, _grads(leaves)
 
 
 def _sharded(case, rank, world):
     """This rank's part of the same loss through context_parallel (the final-state term on rank 0 only)."""
-    name, _, options, transfer = case
     x, (w_o, w_f) = _case_inputs(case)
     x = {k: (v.chunk(world, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
     leaves = _leaves(x)
-    o, final = context_parallel(_chunk_fn(name), **leaves, output_final_state=True, chunk_size=CHUNK,
-                                transfer=transfer, **options)
+    o, final = context_parallel(_chunk_fn(case[0]), **leaves, transfer=case[3], **_options(case))
     loss = (o * w_o.chunk(world, dim=1)[rank]).sum()
-    if rank == 0:
+    if rank == 0 and final is not None:
         loss = loss + (final * w_f).sum()
     loss.backward()
-    return o.detach(), final.detach(), _grads(leaves)
+    return o.detach(), final if final is None else final.detach(), _grads(leaves)
 
 
 def _worker(rank, world, store, cases, out_dir):
@@ -115,6 +122,9 @@ def _worker_checks(rank):
     expected = 2 * 2 * 16 * 32 * 4 + 4 * 2 * 16 * 16 * 4
     if parallel.COMM_BYTES["forward"] != expected or o.requires_grad:
         raise AssertionError(f"bytes {parallel.COMM_BYTES['forward']} != {expected}")
+    o_ref, final_ref = fn(**x, output_final_state=True, chunk_size=CHUNK)
+    if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
+        raise AssertionError("inference call differs from one process")
     bad = dict(shards, cu_seqlens=torch.tensor([0, 20, 40], dtype=torch.int32))   # ends at 40, not 96
     try:
         context_parallel(fn, **bad)
@@ -137,7 +147,10 @@ def _run_group(tmp_path, world, cases):
         o = torch.cat([r[0] for r in results], dim=1)
         assert rel_rmse(o, o_ref) <= TOL, (label, "o", rel_rmse(o, o_ref))
         for r, result in enumerate(results):     # the same final states on every rank
-            assert rel_rmse(result[1], final_ref) <= TOL, (label, "final_state", r, rel_rmse(result[1], final_ref))
+            if final_ref is None:
+                assert result[1] is None, label
+            else:
+                assert rel_rmse(result[1], final_ref) <= TOL, (label, "final_state", r, rel_rmse(result[1], final_ref))
         assert set(results[0][2]) == set(grads_ref), (label, set(results[0][2]), set(grads_ref))
         for name, ref in grads_ref.items():
             parts = [r[2][name] for r in results]
