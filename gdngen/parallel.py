@@ -25,7 +25,6 @@ initial state.
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -407,7 +406,7 @@ def _rank_plan(call: _Call, rank: int, world: int) -> _RankPlan:
     return _RankPlan(rank, world, piece.layout, [piece.layout.count - 1], owned, len(offsets) - 1)
 
 
-def _owned_finals(local: _Pass, S_in_all: Optional[Tensor], plan: _RankPlan, initial_state, like) -> Optional[Tensor]:
+def _owned_finals(local: _Pass, S_in_all: Optional[Tensor], plan: _RankPlan, initial_state) -> Optional[Tensor]:
     if not plan.owned:
         return None
     finals = local.finals(S_in_all)
@@ -465,7 +464,7 @@ class _ContextParallel(torch.autograd.Function):
                             if carried else None)
             o = local.outputs(S_in_all)
             output_final_state = bool(call.named["output_final_state"])
-            owned = (_owned_finals(local, S_in_all, plan, local_call.named["initial_state"], o)
+            owned = (_owned_finals(local, S_in_all, plan, local_call.named["initial_state"])
                      if output_final_state else None)
 
         if output_final_state:
