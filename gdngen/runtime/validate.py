@@ -5,12 +5,16 @@ value) and always name the offending argument together with the shapes involved.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 _NOT_GIVEN = object()     # chunk_size is checked only when the caller passes one
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STATE_DTYPES = (torch.float32, torch.bfloat16)     # what a recurrent state pool may hold
+_TRUSTED = ContextVar("gdngen_trusted_values", default=False)
 
 
 @dataclass(frozen=True)
@@ -27,14 +31,29 @@ class Problem:
     varlen: bool
 
 
+@contextmanager
+def trusted_values():
+    """Inside the block, validation reads no tensor values (no device sync): the caller vouches for them.
+
+    For per-step serving paths whose ``state_indices`` were checked when they were built (as
+    ``gdngen.serving.StatePool.indices`` does): a decode step then never waits for the GPU.
+    """
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
 def values_readable() -> bool:
     """Whether validation may read tensor values on the host.
 
     Reading ``cu_seqlens`` or ``state_indices`` syncs with the device: under torch.compile it would
-    break the graph, and during CUDA-graph capture it is an error. In those two cases only the
-    structural checks (rank, dtype, shape, device) run; eager calls get the value checks too.
+    break the graph, and during CUDA-graph capture it is an error. In those two cases (and inside
+    :func:`trusted_values`) only the structural checks (rank, dtype, shape, device) run; eager
+    calls get the value checks too.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _TRUSTED.get():     # Dynamo cannot trace ContextVar.get
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -191,8 +210,8 @@ def validate_recurrent_call(
 ) -> int:
     """Check the serving options of a ``fused_recurrent_*`` call (after :func:`validate_chunk_call`).
 
-    With ``state_indices`` the ``initial_state`` is a pool ``[P, HV, K, V]`` (float32, contiguous:
-    it is written in place) and ``validate_chunk_call`` must have been called with
+    With ``state_indices`` the ``initial_state`` is a pool ``[P, HV, K, V]`` (float32 or bfloat16,
+    contiguous: it is written in place) and ``validate_chunk_call`` must have been called with
     ``initial_state=None``.  Returns the longest sequence length, the token extent of the
     intermediate states.  Reading ``state_indices`` and ``cu_seqlens`` values syncs with the device,
     so it is skipped while a CUDA graph is captured or torch.compile traces (:func:`values_readable`):
@@ -230,8 +249,8 @@ def validate_recurrent_call(
         if tuple(pool.shape[1:]) != (HV, K, V) or pool.shape[0] < 1:
             raise ValueError(f"initial_state: expected a pool of shape (P, {HV}, {K}, {V}) with state_indices "
                              f"([P, HV, K, V]), got {tuple(pool.shape)}")
-        if pool.dtype != torch.float32:
-            raise TypeError(f"initial_state: the state pool must be float32, got {pool.dtype}")
+        if pool.dtype not in STATE_DTYPES:
+            raise TypeError(f"initial_state: the state pool must be float32 or bfloat16, got {pool.dtype}")
         if not pool.is_contiguous():
             raise ValueError("initial_state: the state pool must be contiguous (it is updated in place)")
         if pool.device != device:
@@ -253,8 +272,8 @@ def validate_recurrent_call(
         if hs.shape[0] != N or hs.shape[1] < T_max or tuple(hs.shape[2:]) != (HV, K, V):
             raise ValueError(f"intermediate_states: expected shape ({N}, T_buf >= {T_max}, {HV}, {K}, {V}) "
                              f"([N, T_max, HV, K, V]), got {tuple(hs.shape)}")
-        if hs.dtype != torch.float32:
-            raise TypeError(f"intermediate_states: expected float32, got {hs.dtype}")
+        if hs.dtype not in STATE_DTYPES:
+            raise TypeError(f"intermediate_states: expected float32 or bfloat16, got {hs.dtype}")
         if not hs.is_contiguous():
             raise ValueError("intermediate_states: must be contiguous (the kernel writes into it)")
         if hs.device != device:
