@@ -9,8 +9,9 @@ to $OUT/cp.jsonl as soon as it is measured.
     python benchmarks/bench_cp.py --mode split
 
 cp: every rank times the plain op on the whole sequence (the 1-GPU baseline, each on its own GPU),
-the op on its own half alone (the no-communication floor), then ``context_parallel`` on its half
-(the slowest rank's time counts). Forward at the full length; forward+backward at ``--bwd-tokens``
+the op on an equal shard alone (the no-communication floor), then ``context_parallel`` with rank 0's
+share of the tokens weighted by each of ``--first-weights`` (rank 0 carries no state in and runs the
+plain op, the other ranks the widened transfer pass; the slowest rank's time counts). Forward at the full length; forward+backward at ``--bwd-tokens``
 (the backward is whatever the op has: the float64 reference replay until generated backward kernels
 land, so the fwd+bwd rows measure the exchange's correctness and overhead, not the final speed).
 Rows carry the bytes put through collectives per call and the error against the 1-GPU result.
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gdngen import parallel
-from gdngen.parallel import choose_segments, context_parallel, split_sequence_forward
+from gdngen.parallel import choose_segments, context_parallel, shard_sizes, split_sequence_forward
 from gdngen.selfcheck import rel_rmse
 
 OUT = os.environ.get("OUT", "bench_out")
@@ -101,8 +102,10 @@ def timed(fn, reps: int, warmup: int = 1, distributed: bool = False) -> float:
     return statistics.median(times) * 1e3
 
 
-def shard(x: dict, rank: int, world: int) -> dict:
-    return {n: (t.chunk(world, dim=1)[rank] if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
+def shard(x: dict, rank: int, world: int, sizes=None) -> dict:
+    sizes = sizes or [x["q"].shape[1] // world] * world
+    start = sum(sizes[:rank])
+    return {n: (t[:, start:start + sizes[rank]] if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
 
 
 def mode_cp(args) -> list:
@@ -115,33 +118,43 @@ def mode_cp(args) -> list:
     base = dict(spec=args.spec, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=str(DTYPE)[6:], world=world)
     table = []
 
-    # ---- forward at the full length
+    # ---- forward at the full length: the plain op on the whole sequence (1 GPU), the plain op on
+    # an equal shard alone (no communication, no transfer), then CP with rank 0's share weighted by
+    # each --first-weights value (rank 0 runs the plain op, the others the widened transfer pass)
     x = make_inputs(B, T, H, HV, DEVICE)
-    local = shard(x, rank, world)
     with torch.no_grad():
         start = time.perf_counter()
         o_ref, h_ref = fn(**x, output_final_state=True)
-        o_cp, h_cp = context_parallel(fn, **local, output_final_state=True)
         sync()
         first_s = time.perf_counter() - start
-        errors = dict(err_o=rel_rmse(o_cp, o_ref.chunk(world, dim=1)[rank]), err_final=rel_rmse(h_cp, h_ref))
-        err = torch.tensor([errors["err_o"], errors["err_final"]], device=DEVICE)
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        errors = dict(err_o=err[0].item(), err_final=err[1].item(), first_call_s=first_s)
-        del o_ref, h_ref, o_cp, h_cp
-
         one = timed(lambda: fn(**x, output_final_state=True), args.reps)
-        half = timed(lambda: fn(**local, output_final_state=True), args.reps)
-        parallel.COMM_BYTES.update(forward=0, backward=0)
-        context_parallel(fn, **local, output_final_state=True)
-        comm = parallel.COMM_BYTES["forward"]
-        cp = timed(lambda: context_parallel(fn, **local, output_final_state=True), args.reps, distributed=True)
-    for label, ms, gpus in (("1 GPU", one, 1), (f"own 1/{world} alone", half, 1), (f"CP {world} GPUs", cp, world)):
+        rows = [("1 GPU", one, 1, {"first_call_s": first_s})]
+        local = shard(x, rank, world)
+        rows.append((f"own 1/{world} alone", timed(lambda: fn(**local, output_final_state=True), args.reps), 1, {}))
+        for weight in args.first_weights:
+            sizes = shard_sizes(T, world, first_weight=weight)
+            local = shard(x, rank, world, sizes)
+            start = time.perf_counter()
+            o_cp, h_cp = context_parallel(fn, **local, output_final_state=True)
+            sync()
+            first_s = time.perf_counter() - start
+            offset = sum(sizes[:rank])
+            err = torch.tensor([rel_rmse(o_cp, o_ref[:, offset:offset + sizes[rank]]), rel_rmse(h_cp, h_ref)],
+                               device=DEVICE)
+            dist.all_reduce(err, op=dist.ReduceOp.MAX)
+            del o_cp, h_cp
+            parallel.COMM_BYTES.update(forward=0, backward=0)
+            context_parallel(fn, **local, output_final_state=True)
+            extra = dict(comm_bytes=parallel.COMM_BYTES["forward"], shard_sizes=sizes, first_weight=weight,
+                         err_o=err[0].item(), err_final=err[1].item(), first_call_s=first_s)
+            cp = timed(lambda: context_parallel(fn, **local, output_final_state=True), args.reps, distributed=True)
+            rows.append((f"CP {world} GPUs w={weight:g}", cp, world, extra))
+    for label, ms, gpus, extra in rows:
         row = dict(base, mode="cp", pass_="fwd", impl=label, gpus=gpus, ms=ms, tokens_per_s=B * T / (ms * 1e-3),
-                   speedup=one / ms, comm_bytes=comm if gpus > 1 else 0, **(errors if gpus > 1 else {}))
+                   speedup=one / ms, **extra)
         log(row, rank)
         table.append(row)
-    del x, local
+    del x, local, o_ref, h_ref
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
@@ -258,6 +271,8 @@ def main():
     parser.add_argument("--value-heads", type=int, default=32)
     parser.add_argument("--bwd-tokens", type=int, default=16384,
                         help="cp: sequence length of the forward+backward rows (0: skip them)")
+    parser.add_argument("--first-weights", default="1,1.3,1.6,1.9",
+                        help="cp: rank 0's share of the tokens relative to each other rank's, one CP row each")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--bwd-reps", type=int, default=2)
     parser.add_argument("--split-shapes", default="1,131072,16,32;1,32768,2,8",
@@ -267,6 +282,7 @@ def main():
                         help="cpu: a dry run with tiny shapes under TRITON_INTERPRET=1 (gloo, float32)")
     args = parser.parse_args()
     args.split_shapes = [tuple(int(n) for n in case.split(",")) for case in args.split_shapes.split(";")]
+    args.first_weights = [float(w) for w in args.first_weights.split(",")]
     global DEVICE, DTYPE, K, V
     DEVICE, K, V = args.device, args.head_dim, args.head_dim
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32     # the interpreter mishandles bf16 dots

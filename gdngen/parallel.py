@@ -32,7 +32,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["context_parallel", "split_sequence_forward", "choose_segments", "shard_tokens", "COMM_BYTES"]
+__all__ = ["context_parallel", "split_sequence_forward", "choose_segments", "shard_tokens", "shard_sizes",
+           "COMM_BYTES"]
 
 #: Bytes of state tensors this process has put through collectives (the size of every all-gathered
 #: buffer, and of every all-reduced tensor), by direction. Benchmarks reset and read it.
@@ -381,7 +382,14 @@ class _RankPlan:
     N: int                 # sequences in the whole batch (rows of the final state)
 
 
-def _rank_plan(call: _Call, rank: int, world: int) -> _RankPlan:
+def _shard_starts(T: int, group, world: int, device) -> list:
+    """Every rank's first token: the shards' lengths are all-gathered (a host sync; varlen only)."""
+    lengths = _all_gather(torch.tensor([T], dtype=torch.int64, device=device), group, world, "forward")
+    lengths = torch.cat(lengths).tolist()
+    return [sum(lengths[:r]) for r in range(world + 1)]
+
+
+def _rank_plan(call: _Call, rank: int, world: int, group=None) -> _RankPlan:
     B, T, H, HV, K, V = call.shape
     has_init = call.named["initial_state"] is not None
     cu_seqlens = call.named["cu_seqlens"]
@@ -393,10 +401,11 @@ def _rank_plan(call: _Call, rank: int, world: int) -> _RankPlan:
     if B != 1:
         raise ValueError(f"cu_seqlens: varlen inputs are packed as B=1, got q of shape {tuple(call.named['q'].shape)}")
     offsets = _host_offsets(cu_seqlens)
-    if offsets[-1] != T * world:
-        raise ValueError(f"cu_seqlens: the global offsets end at {offsets[-1]}, but {world} ranks with shards of "
-                         f"T={T} tokens hold {T * world}; pass the global cu_seqlens and equal shards")
-    start = rank * T
+    starts = _shard_starts(T, group, world, call.named["q"].device)
+    if offsets[-1] != starts[-1]:
+        raise ValueError(f"cu_seqlens: the global offsets end at {offsets[-1]}, but the {world} ranks' shards hold "
+                         f"{starts[-1]} tokens; pass the global cu_seqlens of the packed batch on every rank")
+    start = starts[rank]
     piece = _packed_piece(offsets, start, start + T, has_init)
     if piece.layout.count == 0:
         raise ValueError(f"cu_seqlens: rank {rank} holds no tokens (T={T})")
@@ -540,12 +549,12 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **
 
     Call it on every rank of ``group`` with the same arguments as ``fn`` (a generated
     ``chunk_<name>``, e.g. ``generated.gated_delta_rule.chunk_gated_delta_rule``), except that the
-    per-token tensors (q, k, v, g, beta) hold this rank's contiguous slice of the sequence dim:
-    rank r holds tokens ``[r * T, (r + 1) * T)`` (see :func:`shard_tokens`). Every rank must pass
-    the same ``initial_state`` (the whole batch's), options and, for varlen, the global
-    ``cu_seqlens`` of the packed batch (B = 1, equal shards, ``cu_seqlens[-1] == world * T``).
-    Sequences may cross any number of shard boundaries; only the sequence crossing a boundary
-    carries state across it.
+    per-token tensors (q, k, v, g, beta) hold this rank's contiguous slice of the sequence dim,
+    in rank order (see :func:`shard_tokens`; shards may differ in length, e.g. :func:`shard_sizes`
+    gives rank 0, which runs the plain op, a larger share). Every rank must pass the same
+    ``initial_state`` (the whole batch's), options and, for varlen, the global ``cu_seqlens`` of the
+    packed batch (B = 1; the shards' lengths are all-gathered to place them). Sequences may cross
+    any number of shard boundaries; only the sequence crossing a boundary carries state across it.
 
     Returns ``(o, final_state)``: ``o`` is this rank's shard of the outputs; ``final_state`` (with
     ``output_final_state=True``) is the whole batch's ``[N, HV, K, V]`` float32 final states,
@@ -560,8 +569,9 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **
 
     ``transfer``: 'auto' (default) uses the closed-form transition for the additive family and the
     op's widened pass otherwise; 'op' always uses the op; 'closed_form' insists on the closed form.
-    Communication per call: one all_gather of ``[P, HV, K, V + K]`` float32 (P = B, or 1 for varlen)
-    and, with ``output_final_state``, one all_reduce of the final states; the same again in backward.
+    Communication per call: one all_gather of ``[P, HV, K, V + K]`` float32 (P = B, or 1 for varlen;
+    varlen adds one of the shard lengths) and, with ``output_final_state``, one all_reduce of the
+    final states; in backward one all_gather of ``[P, HV, K, V]`` and the all_reduce again.
     """
     call = _Call.bind(fn, args, kwargs)
     _check_transfer(call, transfer)
@@ -571,7 +581,7 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **
     if world == 1:
         return call.run()
     call, finish = _normalized(call)
-    plan = _rank_plan(call, rank, world)
+    plan = _rank_plan(call, rank, world, group)
     names = [n for n, x in call.named.items() if isinstance(x, Tensor) and n != "cu_seqlens"]
     tensors = [call.named[n] for n in names]
     needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -580,16 +590,48 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **
     return finish(o, final) if finish else (o, final)
 
 
-def shard_tokens(x: Optional[Tensor], group=None, dim: int = 1) -> Optional[Tensor]:
-    """This rank's equal slice of ``x`` along ``dim`` (the token dim of ``[B, T, ...]`` tensors)."""
+def shard_sizes(T: int, world: int, *, first_weight: float = 1.0, multiple: int = 64) -> list:
+    """Token counts of ``world`` contiguous shards of a ``T``-token sequence.
+
+    Rank 0 holds no carried state, so it runs the plain op while every other rank runs the widened
+    transfer pass (delta family: values ``V + K`` wide). ``first_weight`` > 1 gives rank 0 that many
+    times the tokens of each other rank to even out their times (the ratio of the widened pass's cost
+    to the plain one's: ``benchmarks/bench_cp.py`` measures it; about 1 for the additive family).
+    Sizes are multiples of ``multiple`` (the chunk size) except the last, when ``T`` allows.
+    """
+    if world < 1 or T < 0:
+        raise ValueError(f"world, T: expected world >= 1 and T >= 0, got world={world}, T={T}")
+    if not first_weight > 0:
+        raise ValueError(f"first_weight: expected a positive number, got {first_weight!r}")
+    if T < world * multiple:
+        multiple = 1                          # too short for whole chunks on every rank
+    weights = [float(first_weight)] + [1.0] * (world - 1)
+    sizes, taken = [], 0
+    for r in range(world - 1):
+        share = T * weights[r] / sum(weights)
+        size = min(T - taken, max(0, int(round(share / multiple)) * multiple))
+        sizes.append(size)
+        taken += size
+    return sizes + [T - taken]
+
+
+def shard_tokens(x: Optional[Tensor], group=None, dim: int = 1, sizes: Optional[list] = None) -> Optional[Tensor]:
+    """This rank's contiguous slice of ``x`` along ``dim`` (the token dim of ``[B, T, ...]`` tensors).
+
+    Equal slices by default; ``sizes`` (one count per rank, e.g. from :func:`shard_sizes`) otherwise.
+    """
     if x is None:
         return None
     group = _default_group(group)
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
-    if x.shape[dim] % world:
-        raise ValueError(f"x: dim {dim} of shape {tuple(x.shape)} does not split into {world} equal shards")
-    return x.chunk(world, dim=dim)[rank]
+    if sizes is None:
+        if x.shape[dim] % world:
+            raise ValueError(f"x: dim {dim} of shape {tuple(x.shape)} does not split into {world} equal shards")
+        return x.chunk(world, dim=dim)[rank]
+    if len(sizes) != world or sum(sizes) != x.shape[dim]:
+        raise ValueError(f"sizes: expected {world} counts summing to {x.shape[dim]} (dim {dim} of x), got {sizes}")
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
 # =============================================================================================

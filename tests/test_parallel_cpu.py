@@ -17,18 +17,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gdngen import parallel
-from gdngen.parallel import choose_segments, context_parallel, split_sequence_forward
+from gdngen.parallel import choose_segments, context_parallel, shard_sizes, shard_tokens, split_sequence_forward
 from gdngen.selfcheck import make_inputs, rel_rmse
 
 TOL = 1e-5            # float32 inputs: CP and one process differ by float rounding only
 CHUNK = 16
 REPLICATED = ("initial_state", "A_log", "dt_bias")     # every rank passes these whole
 
-# (spec, shape, options, transfer): shape is make_inputs keywords (lengths: a packed varlen batch;
-# h0=False: no initial state); options go to the op (output_final_state defaults to True here).
+# (spec, shape, options, transfer[, shard sizes]): shape is make_inputs keywords (lengths: a packed
+# varlen batch; h0=False: no initial state); options go to the op (output_final_state defaults to
+# True here); shards are equal unless sizes are given.
 CASES_2 = [
-    ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto"),
+    ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto", [40, 24]),
     ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto"),
+    ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto", [64, 32]),
     ("gated_delta_rule", dict(B=1, T=48, lengths=None, fused_gate=True, beta_logits=True),
      dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
           allow_neg_eigval=True), "auto"),
@@ -49,7 +51,7 @@ def _chunk_fn(name):
 
 def _case_inputs(case):
     """Full-sequence float32 inputs and the loss weights (same on every process)."""
-    name, shape, options, _ = case
+    name, shape = case[:2]
     spec = importlib.import_module(f"generated.{name}").SPEC
     x = make_inputs(spec, H=1, HV=2, K=16, V=16, seed=7, **shape)       # HV = 2 H: grouped value heads
     N = x["q"].shape[0] if x["cu_seqlens"] is None else x["cu_seqlens"].numel() - 1
@@ -87,10 +89,11 @@ def _single(case):
 def _sharded(case, rank, world):
     """This rank's part of the same loss through context_parallel (the final-state term on rank 0 only)."""
     x, (w_o, w_f) = _case_inputs(case)
-    x = {k: (v.chunk(world, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
+    sizes = case[4] if len(case) > 4 else None
+    x = {k: (shard_tokens(v, sizes=sizes) if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
     leaves = _leaves(x)
     o, final = context_parallel(_chunk_fn(case[0]), **leaves, transfer=case[3], **_options(case))
-    loss = (o * w_o.chunk(world, dim=1)[rank]).sum()
+    loss = (o * shard_tokens(w_o, sizes=sizes)).sum()
     if rank == 0 and final is not None:
         loss = loss + (final * w_f).sum()
     loss.backward()
@@ -118,8 +121,9 @@ def _worker_checks(rank):
     parallel.COMM_BYTES["forward"] = 0
     with torch.no_grad():
         o, final = context_parallel(fn, **shards, output_final_state=True, chunk_size=CHUNK)
-    # one all_gather of [1, HV, K, V + K] float32 from each of 2 ranks, one all_reduce of [N, HV, K, V]
-    expected = 2 * 2 * 16 * 32 * 4 + 4 * 2 * 16 * 16 * 4
+    # all_gathers of the shard lengths (int64) and of [1, HV, K, V + K] float32 from each of 2 ranks,
+    # one all_reduce of the final states [N, HV, K, V]
+    expected = 2 * 8 + 2 * 2 * 16 * 32 * 4 + 4 * 2 * 16 * 16 * 4
     if parallel.COMM_BYTES["forward"] != expected or o.requires_grad:
         raise AssertionError(f"bytes {parallel.COMM_BYTES['forward']} != {expected}")
     o_ref, final_ref = fn(**x, output_final_state=True, chunk_size=CHUNK)
@@ -189,6 +193,16 @@ def test_split_sequence_matches_unsplit(name, lengths, transfer):
     assert rel_rmse(o, o_ref) <= TOL and rel_rmse(final, final_ref) <= TOL
     for key, ref in grads_ref.items():
         assert rel_rmse(grads[key], ref) <= TOL, (key, rel_rmse(grads[key], ref))
+
+
+def test_shard_sizes():
+    assert shard_sizes(96, 4) == [24, 24, 24, 24]
+    assert shard_sizes(262144, 2) == [131072, 131072]
+    sizes = shard_sizes(262144, 2, first_weight=1.6)
+    assert sum(sizes) == 262144 and sizes[0] % 64 == 0 and abs(sizes[0] / sizes[1] - 1.6) < 0.01
+    assert sum(shard_sizes(1000, 3, first_weight=2.0)) == 1000
+    with pytest.raises(ValueError, match="first_weight"):
+        shard_sizes(100, 2, first_weight=0)
 
 
 def test_split_arguments():
