@@ -236,6 +236,9 @@ def _op_pass(call: _Call, layout: _Layout) -> _Pass:
         o, final = call.run(initial_state=fresh, output_final_state=True, cu_seqlens=cu)
         return _Pass(o, final, None, layout, correction=None)
 
+    if layout.cu_seqlens is not None and L > 1 and layout.carry[0] and not any(layout.carry[1:]):
+        return _split_off_first(call, layout)
+
     carry = torch.tensor(layout.carry, device=q.device, dtype=torch.float32).view(L, 1, 1, 1)
     identity = torch.eye(K, device=q.device, dtype=torch.float32).expand(L, HV, K, K) * carry
     max_v = call.info.get("max_v") if call.info else None
@@ -255,6 +258,25 @@ def _op_pass(call: _Call, layout: _Layout) -> _Pass:
 
     return _Pass(o_fresh, final_N, final_M, layout,
                  correction=lambda o, S_in: _apply_correction(o, layout, S_in, lambda lo, hi: p[:, lo:hi]))
+
+
+def _split_off_first(call: _Call, layout: _Layout) -> _Pass:
+    """A packed shard whose first sequence alone carries state in (context parallelism with
+    varlen): only that sequence's tokens go through the widened pass, the rest through the plain op."""
+    cut = layout.spans[0][1]
+    tokens = {n: x for n, x in call.named.items() if n in _PER_TOKEN and isinstance(x, Tensor)}
+    head = _Layout([0, cut], layout.spans[:1], [True], layout.init_rows[:1])
+    rest_spans = [(a - cut, b - cut) for a, b in layout.spans[1:]]
+    rest = _Layout([0] + [b for _, b in rest_spans], rest_spans, layout.carry[1:], layout.init_rows[1:])
+    first = _op_pass(call.with_args(**{n: x[:, :cut] for n, x in tokens.items()}), head)
+    others = _op_pass(call.with_args(**{n: x[:, cut:] for n, x in tokens.items()}), rest)
+    HV, K = first.final_M.shape[1], first.final_M.shape[-1]
+    final_M = torch.cat([first.final_M, first.final_M.new_zeros(rest.count, HV, K, K)])
+
+    def correction(o, S_in):
+        return torch.cat([first.outputs(S_in[:1]), o[:, cut:]], dim=1)
+    return _Pass(torch.cat([first.o_fresh, others.o_fresh], dim=1), torch.cat([first.final_N, others.final_N]),
+                 final_M, layout, correction=correction)
 
 
 def _closed_form_pass(call: _Call, layout: _Layout, decay: str) -> _Pass:
