@@ -20,15 +20,20 @@ Every row goes to $OUT/decode.jsonl as soon as it is measured; a table is printe
 minutes on an H200 (most of it compiling the sweep's kernels).
 
     python benchmarks/bench_decode.py [--skip-sweep] [--batches 1,64,256]
+    python benchmarks/bench_decode.py --dry-run     # CPU, interpreter, tiny shapes, no timing: checks the script
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")   # FLA's own Triton path
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -40,7 +45,8 @@ from gdngen.selfcheck import rel_rmse  # noqa: E402
 from gdngen.serving import StatePool, commit_accepted, decode_step, verify_draft  # noqa: E402
 from gdngen.spec import load_spec  # noqa: E402
 
-H, HV, K, V = 16, 32, 128, 128
+H, HV, K, V = (1, 2, 16, 16) if DRY else (16, 32, 128, 128)
+DEVICE = "cpu" if DRY else "cuda"
 COPY_CEILING = 4.27e12          # H200 device-to-device copy, bytes/s (read + write)
 GRAPH_CALLS = 20                # calls captured per graph for the per-call replay time
 OUT = os.environ.get("OUT", "bench_out")
@@ -52,6 +58,8 @@ SWEEP = {
                     (128, 4), (128, 8), (128, 16)],
     torch.bfloat16: [(16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16)],
 }
+if DRY:
+    SWEEP = {dtype: [(8, 1), (16, 1)] for dtype in SWEEP}
 
 
 def log(row: dict) -> None:
@@ -65,8 +73,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def inputs(B: int, T: int = 1, seed: int = 0) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    randn = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
     return {
         "q": randn(B, T, H, K).bfloat16(),
         "k": F.normalize(randn(B, T, H, K), dim=-1).bfloat16(),
@@ -86,17 +94,23 @@ def load_fla():
         return None
 
 
+def sync():
+    if not DRY:
+        torch.cuda.synchronize()
+
+
 def time_eager(fn, reps: int = 200) -> float:
     """Microseconds per call, host included (a serving loop without graphs)."""
-    for _ in range(10):
+    reps = 1 if DRY else reps
+    for _ in range(1 if DRY else 10):
         fn()
-    torch.cuda.synchronize()
+    sync()
     best = []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        sync()
         best.append((time.perf_counter() - start) / reps * 1e6)
     return sorted(best)[1]
 
@@ -120,6 +134,10 @@ def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
 def time_graph(fn, calls: int, budget_ms: float = 20.0) -> float:
     """Microseconds per call under CUDA-graph replay (``calls`` captured per graph), median of 5
     repeats of about ``budget_ms`` of back-to-back replays each."""
+    if DRY:          # no graphs on CPU: run the calls once, report nothing
+        for _ in range(calls):
+            fn()
+        return float("nan")
     graph = capture(fn, calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -147,7 +165,7 @@ def state_bytes(B: int, dtype: torch.dtype) -> int:
 
 def check(ours, fla, spec) -> bool:
     ok = True
-    for B in (4, 64):
+    for B in ((4,) if DRY else (4, 64)):
         x = inputs(B, T=3, seed=1)
         o, ht = ours(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True)
         o_ref, ht_ref = reference.run(spec, x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
@@ -166,7 +184,7 @@ def check(ours, fla, spec) -> bool:
             ok &= row["ok"]
             log(row)
         # the pool path gives the dense path's answer, bitwise
-        pool = StatePool(B + 3, HV, K, V, device="cuda")
+        pool = StatePool(B + 3, HV, K, V, device=DEVICE)
         slots = pool.allocate_many(B, x["h0"])
         o_pool = decode_step(ours, pool, pool.indices(slots), x["q"], x["k"], x["v"], x["g"], x["beta"])
         same = torch.equal(o_pool, o) and torch.equal(pool.states[slots], ht)
@@ -182,7 +200,7 @@ def bench_decode(ours, fla, batches):
         x = inputs(B)
         q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
         for dtype in (torch.float32, torch.bfloat16):
-            pool = StatePool(B, HV, K, V, dtype=dtype, device="cuda")
+            pool = StatePool(B, HV, K, V, dtype=dtype, device=DEVICE)
             slots = pool.allocate_many(B, x["h0"])
             index = pool.indices(slots)
             cases = {"gdngen-pool": lambda: decode_step(ours, pool, index, q, k, v, g, beta)}
@@ -215,7 +233,7 @@ def sweep(ours, batches):
     for dtype, candidates in SWEEP.items():
         for B in batches:
             x = inputs(B)
-            pool = StatePool(B, HV, K, V, dtype=dtype, device="cuda")
+            pool = StatePool(B, HV, K, V, dtype=dtype, device=DEVICE)
             slots = pool.allocate_many(B, x["h0"])
             index = pool.indices(slots)
             start_states = pool.states.clone()
@@ -249,11 +267,11 @@ def bench_verify(ours, batches, drafts: int = 4):
     """verify_draft of 4 tokens (the state after each kept) + commit_accepted, under graph replay."""
     for B in batches:
         x = inputs(B, T=drafts, seed=3)
-        pool = StatePool(B, HV, K, V, device="cuda")
+        pool = StatePool(B, HV, K, V, device=DEVICE)
         slots = pool.allocate_many(B, x["h0"])
         index = pool.indices(slots)
         buffer = pool.draft_buffer(B, drafts)
-        accepted = torch.randint(0, drafts + 1, (B,), device="cuda", dtype=torch.int32)
+        accepted = torch.randint(0, drafts + 1, (B,), device=DEVICE, dtype=torch.int32)
         verify = lambda: verify_draft(ours, pool, index, x["q"], x["k"], x["v"], x["g"], x["beta"], draft_states=buffer)  # noqa: E731
         commit = lambda: commit_accepted(pool, index, buffer, accepted)  # noqa: E731
         row = {"kind": "verify", "B": B, "drafts": drafts}
@@ -271,11 +289,11 @@ def bench_verify(ours, batches, drafts: int = 4):
         del pool, buffer
 
 
-def bf16_drift(ours, spec, B: int = 4, steps: int = 1024):
+def bf16_drift(ours, spec, B: int = 4, steps: int = 8 if DRY else 1024):
     """A bf16 pool against a float32 pool and the float64 recurrence over ``steps`` decode steps."""
     x = inputs(B, T=steps, seed=4)
-    checkpoints = (1, 64, steps)
-    pools = {dtype: StatePool(B, HV, K, V, dtype=dtype, device="cuda") for dtype in (torch.float32, torch.bfloat16)}
+    checkpoints = sorted({t for t in (1, 64, steps) if t <= steps})
+    pools = {dtype: StatePool(B, HV, K, V, dtype=dtype, device=DEVICE) for dtype in (torch.float32, torch.bfloat16)}
     index = {dtype: p.indices(p.allocate_many(B, x["h0"])) for dtype, p in pools.items()}
     states = {dtype: {} for dtype in pools}
     for t in range(steps):
@@ -330,13 +348,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script runs")
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [1, 2] if DRY else [int(b) for b in args.batches.split(",")]
     from generated.gated_delta_rule import fused_recurrent_gated_delta_rule as ours
     spec = load_spec("specs/gated_delta_rule.yaml")
     fla = load_fla()
     t0 = time.perf_counter()
-    log({"kind": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    log({"kind": "env", "device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
          "triton": __import__("triton").__version__, "fla": fla is not None})
     with torch.no_grad():
         if not check(ours, fla, spec):

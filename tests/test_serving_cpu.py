@@ -243,6 +243,24 @@ def test_verify_varlen_with_a_caller_buffer():
     assert torch.equal(pool.states[3], before[3])
 
 
+def test_float32_drafts_committed_into_a_bf16_pool():
+    """Draft states kept in float32 for a bf16 pool: the commit rounds them as a decode's store would."""
+    spec, _ = _module("gated_delta_rule")
+    pool = StatePool(3, 2, 16, 16, dtype=torch.bfloat16)
+    slots = pool.allocate_many(2, torch.randn(2, 2, 16, 16))
+    index = pool.indices(slots)
+    before = pool.states.clone()
+    inputs = make_inputs(spec, B=2, T=3, H=1, HV=2, K=16, V=16, h0=False, seed=15)
+    _, drafts = verify_draft(_fn("gated_delta_rule"), pool, index, **_tokens(inputs, 0, 3),
+                             draft_states=pool.draft_buffer(2, 3, dtype=torch.float32))
+    assert drafts.dtype == torch.float32
+    commit_accepted(pool, index, drafts, torch.tensor([3, 2]))
+    recomputed = before.clone()
+    decode_step(_fn("gated_delta_rule"), recomputed, index[:1], **_tokens({x: inputs[x][:1] for x in inputs if x in TOKENS}, 0, 3))
+    decode_step(_fn("gated_delta_rule"), recomputed, index[1:], **_tokens({x: inputs[x][1:] for x in inputs if x in TOKENS}, 0, 2))
+    assert torch.equal(pool.states, recomputed)
+
+
 def test_step_helpers_read_nothing_on_the_host(monkeypatch):
     """decode_step / verify_draft / commit_accepted never read a tensor value back (graph-safe)."""
     spec, _ = _module("gated_delta_rule")
