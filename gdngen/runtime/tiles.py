@@ -43,7 +43,9 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         bv = min(pv, 64 if pk <= 128 else 16)
         while bv > 16 and N * HV * -(-V // bv) < SM_COUNT_H200 // 2:
             bv //= 2
-        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 3}
+        # K = 256 with per-channel decay streams k and a float32 [BT, K] decay tile: three
+        # pipeline stages of those overflow Hopper's 227 KiB (gla, K=V=256, H200)
+        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 3 if pk <= 128 else 1}
     if stage == "output":
         # BV >= 64: BK=64 with BV=32 gave wrong outputs (K=64, V=32, bf16) under Triton 3.6 on Hopper
         return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
