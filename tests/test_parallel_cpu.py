@@ -29,7 +29,6 @@ REPLICATED = ("initial_state", "A_log", "dt_bias")     # every rank passes these
 # True here); shards are equal unless sizes are given.
 CASES_2 = [
     ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto", [40, 24]),
-    ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto"),
     ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto", [64, 32]),
     ("gated_delta_rule", dict(B=1, T=48, lengths=None, fused_gate=True, beta_logits=True),
      dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
