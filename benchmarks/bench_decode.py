@@ -30,6 +30,8 @@ import os
 import sys
 import time
 
+START = time.perf_counter()     # the time limit counts from here (imports included)
+
 os.environ.setdefault("FLA_FLASH_QLA", "0")   # FLA's own Triton path
 DRY = "--dry-run" in sys.argv
 if DRY:
@@ -232,8 +234,11 @@ def bench_decode(ours, fla, batches):
         torch.cuda.empty_cache()
 
 
-def sweep(ours, batches):
-    """Every candidate (BV, num_warps), checked against the default's outputs, timed under graph replay."""
+def sweep(ours, batches, deadline: float):
+    """Every candidate (BV, num_warps), checked against the default's outputs, timed under graph replay.
+
+    Stops (with a note) once ``time.perf_counter()`` passes ``deadline``: the run must fit its slot.
+    """
     for dtype, candidates in SWEEP.items():
         for B in batches:
             x = inputs(B)
@@ -244,6 +249,10 @@ def sweep(ours, batches):
             o_default = decode_step(ours, pool, index, x["q"], x["k"], x["v"], x["g"], x["beta"])
             h_default = pool.states.clone()
             for BV, warps in candidates:
+                if time.perf_counter() > deadline:
+                    log({"kind": "note", "msg": f"sweep stopped at the time limit before {dtype_name(dtype)} B={B} "
+                                                f"BV={BV} warps={warps}"})
+                    return
                 row = {"kind": "sweep", "state": dtype_name(dtype), "B": B, "BV": BV, "num_warps": warps}
                 try:
                     with override(SPEC, "recurrent", BV=BV, num_warps=warps):
@@ -353,12 +362,13 @@ def main():
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny shapes: checks the script runs")
+    parser.add_argument("--time-limit", type=float, default=200.0, help="seconds after which the sweep stops")
     args = parser.parse_args()
     batches = [1, 2] if DRY else [int(b) for b in args.batches.split(",")]
     from generated.gated_delta_rule import fused_recurrent_gated_delta_rule as ours
     spec = load_spec("specs/gated_delta_rule.yaml")
     fla = load_fla()
-    t0 = time.perf_counter()
+    t0 = START
     log({"kind": "env", "device": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
          "triton": __import__("triton").__version__, "fla": fla is not None})
     with torch.no_grad():
@@ -368,7 +378,7 @@ def main():
         bench_verify(ours, [b for b in batches if b > 1])
         bf16_drift(ours, spec)
         if not args.skip_sweep:
-            sweep(ours, batches)
+            sweep(ours, batches, deadline=t0 + args.time_limit)
     log({"kind": "note", "msg": f"total {time.perf_counter() - t0:.0f} s"})
     table()
 
