@@ -109,10 +109,10 @@ def shard(x: dict, rank: int, world: int, sizes=None) -> dict:
 
 
 def mode_cp(args) -> list:
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))     # before NCCL binds a device
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     fn = chunk_op(args.spec)
     B, T, H, HV = 1, args.tokens, args.heads, args.value_heads
     base = dict(spec=args.spec, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=str(DTYPE)[6:], world=world)
