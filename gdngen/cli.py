@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from gdngen.spec import SpecError, catalogue, load_spec
@@ -113,20 +113,64 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """Side-by-side benchmark (gdngen.bench): rows to a JSON file as measured, a table, a PNG."""
+    from gdngen import bench
+    if args.plot:
+        rows = json.loads(Path(args.plot).read_text())
+        target = Path(args.png) if args.png else Path(args.plot).with_suffix(".png")
+        try:
+            bench.write_plot(rows, target, title=Path(args.plot).stem)
+        except ValueError as exc:
+            print(f"gdngen bench: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {target}")
+        return 0
     device = _ensure_backend()
-    from gdngen.selfcheck import bench_cases, time_call
+    import torch
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    try:
+        plan = bench.parse_cases(args.cases, device)
+        modes = bench.parse_list(args.modes, bench.MODES, "--modes")
+        names = bench.parse_list(args.impls, bench.ALL_IMPLS, "--impls")
+        dtype = dtypes[args.dtype or ("bf16" if device == "cuda" else "fp32")]
+    except (ValueError, KeyError) as exc:
+        msg = exc if isinstance(exc, ValueError) else f"--dtype: expected one of {sorted(dtypes)}, got {args.dtype!r}"
+        print(f"gdngen bench: {msg}", file=sys.stderr)
+        return 2
+    plan = [(case, tuple(m for m in case_modes if m in modes)) for case, case_modes in plan]
+    plan = [(case, case_modes) for case, case_modes in plan if case_modes]
+    budget = bench.Budget(args.time_budget)
     spec = load_spec(_spec_paths([args.spec])[0])
-    module = _import_generated(spec, args.out)
-    cases = bench_cases(device)
-    rows = []
-    for i, case in enumerate(cases):
-        _progress(i, len(cases), f"{spec.name} {case}")
-        rows.append(time_call(spec, module, device, case))
-    _progress(len(cases), len(cases), "done")
-    print(f"{spec.chunk_function} on {device}{' (Triton interpreter: timings show only that it runs)' if device == 'cpu' else ''}")
-    print(f"{'B,T,H,HV,K,V':<26} {'dtype':<9} {'first call s':>12} {'median ms':>10} {'tokens/s':>12}")
-    for r in rows:
-        print(f"{r['case']:<26} {r['dtype']:<9} {r['first_s']:>12.2f} {r['ms']:>10.3f} {r['tokens_per_s']:>12.3g}")
+    module = _import_generated(spec, args.generated)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if not args.skip_check:
+        from gdngen.selfcheck import self_check
+        failed = [row for row in self_check(spec, module, device) if not row["ok"]]
+        for row in failed:
+            print(f"FAIL {spec.name} {row['case']}: rel_rmse o={row['o']:.2e} ht={row['ht']:.2e} (tol {row['tol']:.0e})",
+                  file=sys.stderr)
+        if failed:
+            print("gdngen bench: the self-check against the float64 reference failed; not timing wrong code "
+                  "(--skip-check to time anyway)", file=sys.stderr)
+            return 1
+        print(f"self-check of {spec.chunk_function} against the float64 reference on {device}: ok", file=sys.stderr)
+    impls = bench.load_impls(names, spec, module, device, log=lambda msg: print(msg, file=sys.stderr))
+    if not impls:
+        print("gdngen bench: no implementation available", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else bench.default_out_path(device_name, Path(__file__).resolve().parent.parent)
+    rows = bench.RowFile(out, append=args.append)
+    summary = bench.run_bench(spec, plan, impls, rows, device=device, dtype=dtype, budget=budget,
+                              device_name=device_name)
+    if device == "cpu":
+        print("(CPU, Triton interpreter: the timings only show that the code runs)")
+    print(bench.format_table(rows.rows))
+    if summary["skipped"]:
+        print(f"time budget of {args.time_budget:g} s reached after {budget.elapsed():.0f} s: "
+              f"skipped {len(summary['skipped'])} rows: {', '.join(summary['skipped'])}")
+    print(f"wrote {out} ({len(rows.rows)} rows)")
+    if any(r.get("ms") for r in rows.rows):
+        print(f"wrote {bench.write_plot(rows.rows, out.with_suffix('.png'), title=out.stem)}")
     return 0
 
 
@@ -196,9 +240,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale", action="store_true", help="only check that generated/ matches a fresh render")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("bench", help="time a generated chunk function on a few shapes")
+    p = sub.add_parser("bench", help="gdngen vs FLA, FlashQLA and SDPA: rows to JSON, a table and a PNG")
     p.add_argument("spec", nargs="?", default="gated_delta_rule")
-    p.add_argument("--out", default=None)
+    p.add_argument("--cases", default=None, help="issue (default on a GPU: the issue #10 cases), sweep (T 2k..128k), "
+                   "names, or B,T,H,HV[,K,V] tuples separated by spaces or ';'")
+    p.add_argument("--impls", default=None, help="comma-separated subset of gdngen,fla,flashqla,sdpa (default all "
+                   "that import)")
+    p.add_argument("--modes", default=None, help="comma-separated subset of fwd,fwd+bwd (default both)")
+    p.add_argument("--dtype", default=None, help="bf16 (GPU default), fp16, fp32 (CPU default)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop cleanly, skipping the remaining rows, when the next row would not fit")
+    p.add_argument("--skip-check", action="store_true", help="skip the self-check against the float64 reference")
+    p.add_argument("--out", default=None, help="rows file (default benchmarks/results/<device>_<date>.json); "
+                   "the PNG goes next to it")
+    p.add_argument("--append", action="store_true", help="add to the rows already in --out")
+    p.add_argument("--plot", default=None, metavar="ROWS.json", help="only (re)draw the PNG from a rows file")
+    p.add_argument("--png", default=None, help="PNG path for --plot (default: the rows file with .png)")
+    p.add_argument("--generated", default=None, help="folder of generated modules (default the repo's generated/)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("tune", help="autotune launch configs on this GPU into the per-device cache")
     p.add_argument("spec")

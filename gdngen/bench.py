@@ -1,0 +1,555 @@
+"""Side-by-side benchmark behind ``gdngen bench``: gdngen vs FLA vs FlashQLA vs PyTorch SDPA.
+
+For every (case, mode, implementation) one row is measured — first call (compile included), peak
+memory of one step (peak allocated minus allocated before the step, inputs already allocated),
+then the median of ``triton.testing.do_bench`` after its warm-up — and the whole row list is
+rewritten to a JSON file after each row, so a run killed half-way keeps what it measured.  A PNG of
+tokens/s against T per implementation is drawn from the rows by a small built-in rasteriser
+(:func:`write_plot`; zlib only, no matplotlib).
+
+Row schema: ``{op, mode, impl, B, T, H, HV, K, V, dtype, ms, peak_mib}`` plus ``case``,
+``device``, ``tokens_per_s``, ``first_call_s``, ``floor_ms`` (forward, H200 only) or ``error``.
+Failed rows carry ``error`` and ``ms: null``.  On CPU (Triton interpreter) the timings only show
+that the code runs; peak memory is ``null`` there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+MODES = ("fwd", "fwd+bwd")
+ALL_IMPLS = ("gdngen", "fla", "flashqla", "sdpa")
+# The issue #10 cases (B, T, H, HV), K = V = 128.  fwd+bwd runs on the first three.
+ISSUE_CASES = {
+    "b1-t32k-h32": (1, 32768, 32, 32),
+    "b4-t8k-h16-hv32": (4, 8192, 16, 32),
+    "b8-t2k-h16": (8, 2048, 16, 16),
+    "b1-t128k-h16-hv32": (1, 131072, 16, 32),
+    "b1-t32k-h2-hv8": (1, 32768, 2, 8),
+}
+ISSUE_FWD_BWD = ("b1-t32k-h32", "b4-t8k-h16-hv32", "b8-t2k-h16")
+SDPA_MAX_T = 65536          # flash attention is quadratic in T: seconds per call beyond this
+HBM_BYTES_PER_S = 4.27e12   # H200 roofline constants (benchmarks/NOTES.md)
+BF16_FLOPS = 790e12
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int = 128
+    V: int = 128
+
+
+def parse_cases(text: Optional[str], device: str) -> list[tuple[Case, tuple[str, ...]]]:
+    """``--cases`` into ``[(case, modes it runs in)]``; modes are filtered by ``--modes`` later.
+
+    ``None``/``issue``: the issue's cases (fwd on five, fwd+bwd on three); ``sweep``: T from 2k to
+    128k at B=1, H=16, HV=32; otherwise a comma-free list of names from :data:`ISSUE_CASES` or
+    ``B,T,H,HV[,K,V]`` tuples separated by spaces or ``;``.  On CPU the default is one tiny case.
+    """
+    if text is None and device == "cpu":
+        return [(Case("tiny", 1, 64, 1, 2, 16, 16), MODES)]
+    if text is None or text == "issue":
+        return [(Case(name, *shape), MODES if name in ISSUE_FWD_BWD else ("fwd",))
+                for name, shape in ISSUE_CASES.items()]
+    if text == "sweep":
+        return [(Case(f"b1-t{t // 1024}k-h16-hv32", 1, t, 16, 32), MODES) for t in (2048 * 2 ** i for i in range(7))]
+    out = []
+    for item in re.split(r"[;\s]+", text.strip()):
+        if not item:
+            continue
+        if item in ISSUE_CASES:
+            out.append((Case(item, *ISSUE_CASES[item]), MODES))
+            continue
+        try:
+            dims = [int(x) for x in item.split(",")]
+        except ValueError:
+            raise ValueError(f"--cases: {item!r} is neither a case name ({', '.join(ISSUE_CASES)}, issue, sweep) "
+                             f"nor B,T,H,HV[,K,V]") from None
+        if len(dims) not in (4, 6) or min(dims) < 1:
+            raise ValueError(f"--cases: expected B,T,H,HV or B,T,H,HV,K,V of positive integers, got {item!r}")
+        out.append((Case(item, *dims), MODES))
+    if not out:
+        raise ValueError("--cases: no case given")
+    return out
+
+
+def parse_list(text: Optional[str], allowed: tuple[str, ...], option: str) -> list[str]:
+    if text is None:
+        return list(allowed)
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in allowed]
+    if bad or not names:
+        raise ValueError(f"{option}: expected a comma-separated subset of {list(allowed)}, got {text!r}")
+    return names
+
+
+# =============================================================================================
+# Inputs and implementations
+# =============================================================================================
+
+def make_inputs(spec, case: Case, dtype, device: str, *, seed: int = 0, requires_grad: bool = False) -> dict:
+    """Random inputs of realistic magnitude drawn on the device (host-side float64 would take
+    seconds at T=131072): q, k (L2-normalised for the delta rule), v, g = logsigmoid(randn + 2),
+    beta = sigmoid(randn); g and beta in float32."""
+    import torch
+    import torch.nn.functional as F
+    gen = torch.Generator(device=device).manual_seed(seed)
+    B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, case.K, case.V
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    k = randn(B, T, H, K)
+    if spec.transition.delta:
+        k = F.normalize(k, dim=-1)
+    inputs = {"q": randn(B, T, H, K).to(dtype), "k": k.to(dtype), "v": randn(B, T, HV, V).to(dtype)}
+    if spec.transition.decay == "scalar":
+        inputs["g"] = F.logsigmoid(randn(B, T, HV) + 2.0)
+    elif spec.transition.decay == "vector":
+        inputs["g"] = F.logsigmoid(randn(B, T, HV, K) + 3.0) / 4
+    if spec.transition.delta:
+        inputs["beta"] = torch.sigmoid(randn(B, T, HV))
+    if requires_grad:
+        for x in inputs.values():
+            x.requires_grad_(True)
+    return inputs
+
+
+def _sdpa(inputs: dict):
+    """Causal softmax attention on the same q/k/v (q/k heads repeated to the value heads)."""
+    import torch
+    import torch.nn.functional as F
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    rep = v.shape[2] // q.shape[2]
+    qq = q.repeat_interleave(rep, 2).transpose(1, 2)
+    kk = k.repeat_interleave(rep, 2).transpose(1, 2)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(qq, kk, v.transpose(1, 2), is_causal=True)
+
+
+def load_impls(names: list[str], spec, module, device: str, log=print) -> dict[str, Callable]:
+    """Callables ``inputs -> o`` for the available implementations; a missing peer is logged, not fatal.
+
+    Peers implement Gated DeltaNet only, so they are offered for the ``gated_delta_rule`` spec only.
+    """
+    impls: dict[str, Callable] = {}
+    chunk_fn = getattr(module, spec.chunk_function)
+    if "gdngen" in names:
+        impls["gdngen"] = lambda inputs: chunk_fn(**inputs)[0]
+    peers = [n for n in names if n != "gdngen"]
+    if peers and spec.name != "gated_delta_rule":
+        log(f"peers {peers} skipped: they implement gated_delta_rule, not {spec.name}")
+        return impls
+    gdn = ("q", "k", "v", "g", "beta")
+    if "fla" in names:
+        os.environ["FLA_FLASH_QLA"] = "0"     # time FLA's own Triton path, not its FlashQLA dispatch
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+            impls["fla"] = lambda inputs: fla(*[inputs[n] for n in gdn])[0]
+        except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
+            log(f"fla unavailable: {exc!r}"[:300])
+    if "flashqla" in names:
+        try:
+            from flash_qla import chunk_gated_delta_rule as flash_qla
+            impls["flashqla"] = lambda inputs: flash_qla(*[inputs[n] for n in gdn])[0]
+        except Exception as exc:  # noqa: BLE001
+            log(f"flashqla unavailable: {exc!r}"[:300])
+    if "sdpa" in names:
+        if device == "cuda":
+            impls["sdpa"] = _sdpa
+        else:
+            log("sdpa unavailable: the flash backend needs CUDA")
+    return impls
+
+
+def floor_ms(case: Case) -> float:
+    """H200 roofline floor of the GDN chunk forward: q,k,v,g,beta read once, o written; matmul FLOPs."""
+    C, B, T, H, HV, K, V = 64, case.B, case.T, case.H, case.HV, case.K, case.V
+    bytes_moved = B * T * (2 * H * K * 2 + HV * V * 2 * 2 + HV * 4 * 2)
+    flops = B * HV * (T / C) * 2 * (2 * C * C * K + C * C * (K + V) + 3 * C * K * V + C * C * V)
+    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
+
+
+# =============================================================================================
+# Measurement
+# =============================================================================================
+
+def measure_ms(step: Callable, device: str, grad_to_none=None) -> float:
+    """Median ms of ``step``: ``triton.testing.do_bench`` (its own warm-up) on CUDA, wall clock on CPU."""
+    if device == "cuda":
+        import triton
+        return triton.testing.do_bench(step, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        if grad_to_none:
+            for x in grad_to_none:
+                x.grad = None
+    return statistics.median(times) * 1e3
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def measure_row(fn: Callable, inputs: dict, mode: str, device: str, timer=measure_ms) -> dict:
+    """First call, peak memory of one step and the median time of ``fn`` in ``mode``."""
+    import torch
+    leaves = [x for x in inputs.values() if mode == "fwd+bwd" and x.requires_grad]
+    if mode == "fwd+bwd":
+        probe = fn(inputs)
+        do = torch.randn_like(probe)
+        del probe
+
+        def step():
+            fn(inputs).backward(do)
+    else:
+        def step():
+            with torch.no_grad():
+                fn(inputs)
+
+    def clear():
+        for x in leaves:
+            x.grad = None
+
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - start
+    clear()
+    peak = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        clear()
+    ms = timer(step, device, grad_to_none=leaves or None)
+    clear()
+    return {"ms": ms, "peak_mib": peak, "first_call_s": first}
+
+
+class Progress:
+    """A one-line progress bar on stderr: done/total, elapsed seconds and the current row."""
+
+    def __init__(self, total: int, stream=None, clock=time.monotonic):
+        self.total, self.stream, self.clock = total, stream or sys.stderr, clock
+        self.start = clock()
+
+    def show(self, done: int, label: str) -> None:
+        width = 24
+        filled = int(width * done / max(self.total, 1))
+        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
+                          f"{self.clock() - self.start:6.0f}s {label[:56]:<56}")
+        if done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+class RowFile:
+    """The row list as a JSON file, rewritten whole (temp file + rename) after every row."""
+
+    def __init__(self, path: Path, append: bool = False):
+        self.path = Path(path)
+        self.rows: list[dict] = []
+        if append and self.path.exists():
+            self.rows = json.loads(self.path.read_text())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.rows, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+
+class Budget:
+    """Wall-clock budget: a row starts only if the time left covers what the same kind of row took."""
+
+    def __init__(self, seconds: Optional[float], clock=time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self.start = clock()
+        self.last_cost: dict[tuple, float] = {}
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def allows(self, key: tuple) -> bool:
+        if self.seconds is None:
+            return True
+        return self.elapsed() + self.last_cost.get(key, 0.0) <= self.seconds
+
+    def record(self, key: tuple, seconds: float) -> None:
+        self.last_cost[key] = seconds
+
+
+def default_out_path(device_name: str, root: Path) -> Path:
+    """``benchmarks/results/<device-slug>_<date>.json``, e.g. ``h200_2026-11-30.json``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower().replace("nvidia", "")).strip("-") or "device"
+    folder = root / "benchmarks" / "results"
+    return (folder if folder.is_dir() else Path.cwd()) / f"{slug}_{time.strftime('%Y-%m-%d')}.json"
+
+
+def run_bench(spec, plan: list[tuple[Case, tuple[str, ...]]], impls: dict[str, Callable], rows: RowFile, *,
+              device: str, dtype, budget: Budget, timer=measure_ms, progress: Optional[Progress] = None,
+              device_name: str = "cpu", log=print) -> dict:
+    """Measure every (case, mode, impl) of ``plan`` in order, appending a row after each.
+
+    Returns ``{"measured": n, "failed": n, "skipped": [labels skipped for the time budget]}``.
+    """
+    import torch
+    work = [(case, mode, name) for case, modes in plan for mode in modes for name in impls]
+    progress = progress or Progress(len(work))
+    dtype_name = str(dtype).replace("torch.", "")
+    summary = {"measured": 0, "failed": 0, "skipped": []}
+    done = 0
+    inputs, inputs_for = None, None
+    for case, mode, name in work:
+        label = f"{mode} {name} {case.name}"
+        progress.show(done, label)
+        key = (mode, name)
+        if not budget.allows(key):
+            summary["skipped"].append(label)
+            done += 1
+            continue
+        row = {"op": spec.chunk_function, "mode": mode, "impl": name, "B": case.B, "T": case.T, "H": case.H,
+               "HV": case.HV, "K": case.K, "V": case.V, "dtype": dtype_name, "ms": None, "peak_mib": None,
+               "case": case.name, "device": device_name}
+        started = budget.clock()
+        if name == "sdpa" and case.T > SDPA_MAX_T:
+            row["error"] = f"not run: softmax attention is quadratic in T; skipped above T={SDPA_MAX_T}"
+        else:
+            try:
+                if inputs_for != (case, mode):
+                    inputs = inputs_for = None
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                    inputs = make_inputs(spec, case, dtype, device, requires_grad=mode == "fwd+bwd")
+                    inputs_for = (case, mode)
+                row.update(measure_row(impls[name], inputs, mode, device, timer=timer))
+                row["tokens_per_s"] = case.B * case.T / row["ms"] * 1e3
+                if mode == "fwd" and spec.name == "gated_delta_rule" and "H200" in device_name:
+                    row["floor_ms"] = floor_ms(case)
+            except Exception as exc:  # noqa: BLE001 - one failing implementation must not end the run
+                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        budget.record(key, budget.clock() - started)
+        rows.add(row)
+        summary["failed" if row.get("error") else "measured"] += 1
+        done += 1
+    progress.show(done, "done")
+    return summary
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'mode':<8} {'impl':<9} {'case (B,T,H,HV,K,V)':<28} {'ms':>9} {'Mtok/s':>9} {'peak MiB':>9} "
+             f"{'first s':>8}  note"]
+    for r in rows:
+        shape = f"{r['B']},{r['T']},{r['H']},{r['HV']},{r['K']},{r['V']}"
+        ms = f"{r['ms']:9.3f}" if r.get("ms") is not None else f"{'-':>9}"
+        tps = f"{r['tokens_per_s'] / 1e6:9.2f}" if r.get("tokens_per_s") else f"{'-':>9}"
+        peak = f"{r['peak_mib']:9.0f}" if r.get("peak_mib") is not None else f"{'-':>9}"
+        first = f"{r['first_call_s']:8.2f}" if r.get("first_call_s") is not None else f"{'-':>8}"
+        note = r.get("error", "")[:60] or (f"floor {r['floor_ms']:.3f} ms" if r.get("floor_ms") else "")
+        lines.append(f"{r['mode']:<8} {r['impl']:<9} {shape:<28} {ms} {tps} {peak} {first}  {note}")
+    return "\n".join(lines)
+
+
+# =============================================================================================
+# PNG: a minimal line-plot rasteriser (zlib only)
+# =============================================================================================
+
+# 3x5 glyphs, rows top to bottom; letters render in capitals.
+_GLYPHS = {
+    "a": "010101111101101", "b": "110101110101110", "c": "011100100100011", "d": "110101101101110",
+    "e": "111100110100111", "f": "111100110100100", "g": "011100101101011", "h": "101101111101101",
+    "i": "111010010010111", "j": "001001001101010", "k": "101101110101101", "l": "100100100100111",
+    "m": "101111111101101", "n": "110101101101101", "o": "010101101101010", "p": "110101110100100",
+    "q": "010101101110011", "r": "110101110101101", "s": "011100010001110", "t": "111010010010010",
+    "u": "101101101101111", "v": "101101101101010", "w": "101101111111101", "x": "101101010101101",
+    "y": "101101010010010", "z": "111001010100111",
+    "0": "111101101101111", "1": "010110010010111", "2": "110001010100111", "3": "110001010001110",
+    "4": "101101111001001", "5": "111100110001110", "6": "011100111101111", "7": "111001010010010",
+    "8": "111101111101111", "9": "111101111001110",
+    ".": "000000000000010", ",": "000000000010100", "+": "000010111010000", "-": "000000111000000",
+    "/": "001001010100100", "(": "010100100100010", ")": "010001001001010", "=": "000111000111000",
+    ":": "000010000010000", "_": "000000000000111", " ": "000000000000000",
+}
+_PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207),
+            (140, 86, 75), (127, 127, 127)]
+IMPL_COLOURS = {"gdngen": _PALETTE[0], "fla": _PALETTE[1], "flashqla": _PALETTE[2], "sdpa": _PALETTE[3]}
+
+
+class Canvas:
+    """An RGB pixel buffer with lines, rectangles and 3x5 bitmap text."""
+
+    def __init__(self, width: int, height: int):
+        self.width, self.height = width, height
+        self.pixels = bytearray(b"\xff" * (width * height * 3))
+
+    def dot(self, x: int, y: int, colour) -> None:
+        if 0 <= x < self.width and 0 <= y < self.height:
+            i = 3 * (y * self.width + x)
+            self.pixels[i:i + 3] = bytes(colour)
+
+    def rect(self, x0: int, y0: int, x1: int, y1: int, colour) -> None:
+        for y in range(max(y0, 0), min(y1, self.height - 1) + 1):
+            for x in range(max(x0, 0), min(x1, self.width - 1) + 1):
+                self.dot(x, y, colour)
+
+    def line(self, x0: int, y0: int, x1: int, y1: int, colour, thick: int = 1) -> None:
+        """Bresenham, ``thick`` pixels wide."""
+        dx, dy = abs(x1 - x0), -abs(y1 - y0)
+        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
+        err = dx + dy
+        while True:
+            self.rect(x0, y0, x0 + thick - 1, y0 + thick - 1, colour)
+            if x0 == x1 and y0 == y1:
+                return
+            e2 = 2 * err
+            if e2 >= dy:
+                err += dy
+                x0 += sx
+            if e2 <= dx:
+                err += dx
+                y0 += sy
+
+    def text(self, x: int, y: int, text: str, colour=(0, 0, 0), scale: int = 2) -> int:
+        """Draw ``text`` with its top-left at (x, y); returns the x after it."""
+        for ch in text.lower():
+            glyph = _GLYPHS.get(ch, _GLYPHS[" "])
+            for i, bit in enumerate(glyph):
+                if bit == "1":
+                    gx, gy = x + (i % 3) * scale, y + (i // 3) * scale
+                    self.rect(gx, gy, gx + scale - 1, gy + scale - 1, colour)
+            x += 4 * scale
+        return x
+
+    @staticmethod
+    def text_width(text: str, scale: int = 2) -> int:
+        return 4 * scale * len(text)
+
+    def png(self) -> bytes:
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+        stride = self.width * 3
+        raw = b"".join(b"\x00" + bytes(self.pixels[y * stride:(y + 1) * stride]) for y in range(self.height))
+        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)   # 8-bit RGB
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6))
+                + chunk(b"IEND", b""))
+
+
+def _si(value: float) -> str:
+    for unit, size in (("g", 1e9), ("m", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def _pow2(t: int) -> str:
+    """T axis labels in binary units: 2048 -> 2k, 1048576 -> 1m."""
+    for unit, size in (("m", 2 ** 20), ("k", 2 ** 10)):
+        if t >= size:
+            return f"{t / size:g}{unit}"
+    return str(t)
+
+
+def _nice_step(span: float, ticks: int = 5) -> float:
+    import math
+    raw = span / ticks
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+
+
+def write_plot(rows: list[dict], path: Path, title: str = "") -> Path:
+    """A PNG of tokens/s against T (log2 axis), one panel per mode, one colour per implementation.
+
+    Points of the same implementation and shape family (B, H, HV, K, V) are joined by a line; every
+    measured row is a square marker.  Rows without ``ms`` are left out.
+    """
+    import math
+    good = [r for r in rows if r.get("ms")]
+    modes = [m for m in MODES if any(r["mode"] == m for r in good)] + \
+        sorted({r["mode"] for r in good} - set(MODES))
+    if not modes:
+        raise ValueError(f"rows: no measured row to plot (of {len(rows)})")
+    impls = list(dict.fromkeys(r["impl"] for r in good))
+    colours = {name: IMPL_COLOURS.get(name, _PALETTE[(4 + i) % len(_PALETTE)]) for i, name in enumerate(impls)}
+    panel_w, panel_h, left, right, top, bottom = 520, 380, 80, 30, 50, 60
+    canvas = Canvas(panel_w * len(modes), panel_h + 40)
+    if title:
+        canvas.text(10, 8, title, scale=2)
+    legend_x = canvas.width - sum(Canvas.text_width(n) + 30 for n in impls) - 10
+    for name in impls:
+        canvas.rect(legend_x, 14, legend_x + 14, 20, colours[name])
+        legend_x = canvas.text(legend_x + 20, 10, name) + 10
+    for p, mode in enumerate(modes):
+        mine = [r for r in good if r["mode"] == mode]
+        x0, y0 = p * panel_w + left, 40 + top                   # plot area corners
+        x1, y1 = (p + 1) * panel_w - right, 40 + panel_h - bottom
+        ts = [math.log2(r["T"]) for r in mine]
+        tmin, tmax = min(ts), max(ts)
+        if tmax - tmin < 1:
+            tmin, tmax = tmin - 0.5, tmax + 0.5
+        ymax = max(r["B"] * r["T"] / r["ms"] * 1e3 for r in mine) * 1.1
+        step = _nice_step(ymax)
+
+        def px(r):
+            tps = r["B"] * r["T"] / r["ms"] * 1e3
+            return (round(x0 + (math.log2(r["T"]) - tmin) / (tmax - tmin) * (x1 - x0)),
+                    round(y1 - tps / ymax * (y1 - y0)))
+
+        grey = (200, 200, 200)
+        tick = 0.0
+        while tick <= ymax:
+            y = round(y1 - tick / ymax * (y1 - y0))
+            canvas.line(x0, y, x1, y, grey)
+            label = _si(tick)
+            canvas.text(x0 - 6 - Canvas.text_width(label), y - 5, label)
+            tick += step
+        for e in range(math.ceil(tmin), math.floor(tmax) + 1):
+            x = round(x0 + (e - tmin) / (tmax - tmin) * (x1 - x0))
+            canvas.line(x, y0, x, y1, grey)
+            label = _pow2(2 ** e)
+            canvas.text(x - Canvas.text_width(label) // 2, y1 + 8, label)
+        canvas.line(x0, y0, x0, y1, (0, 0, 0))
+        canvas.line(x0, y1, x1, y1, (0, 0, 0))
+        canvas.text(x0, y0 - 22, f"{mode}: tokens/s")
+        canvas.text((x0 + x1) // 2 - Canvas.text_width("t (log2)") // 2, y1 + 30, "t (log2)")
+        for name in impls:
+            families: dict[tuple, list[dict]] = {}
+            for r in mine:
+                if r["impl"] == name:
+                    families.setdefault((r["B"], r["H"], r["HV"], r["K"], r["V"]), []).append(r)
+            for family in families.values():
+                points = [px(r) for r in sorted(family, key=lambda r: r["T"])]
+                for a, b in zip(points, points[1:]):
+                    canvas.line(*a, *b, colours[name], thick=2)
+                for x, y in points:
+                    canvas.rect(x - 3, y - 3, x + 3, y + 3, colours[name])
+    path = Path(path)
+    path.write_bytes(canvas.png())
+    return path
