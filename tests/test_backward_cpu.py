@@ -170,3 +170,62 @@ def test_gate_derivatives_and_l2norm_backward():
             want = torch.sigmoid(torch.tensor(0.7)) * (1 - torch.sigmoid(torch.tensor(0.7)))
         assert abs(value - float(want)) < 1e-6, name
     assert l2norm_backward(3).shape == (3, 1)
+
+
+def test_backward_multi_tile_layouts_with_partial_tiles():
+    """Small tiles forced: several key and value tiles per head, the last one partly masked (as
+    K=V=256 or V=100 get on the GPU), so a wrong stride, a missing mask or a dg_part slot mix-up
+    between key tiles shows at CPU size."""
+    from gdngen.runtime import backward_tiles as bt
+    module = importlib.import_module("generated.gated_delta_rule")
+    seen = []
+
+    def recording(stage, **shape):
+        config = bt.backward_tiles(stage, **shape)
+        seen.append((stage, config, shape))
+        return config
+
+    with bt.override_backward("chunk", BK=16, BV=16), bt.override_backward("wy", BK=16, BV=16), \
+            bt.override_backward("wy_prep", BK=16), bt.override_backward("state", BV=16), \
+            mock.patch.object(module, "backward_tiles", side_effect=recording):
+        got, want = _grads("gated_delta_rule", B=1, T=36, H=1, HV=2, K=40, V=36, chunk_size=16,
+                           options=dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True))
+    tiles = {stage: (config, shape) for stage, config, shape in seen}
+    assert set(tiles) == {"wy_prep", "state", "chunk", "wy"}
+    for stage in ("chunk", "wy"):
+        config, shape = tiles[stage]
+        assert -(-shape["K"] // config["BK"]) == 3 and shape["K"] % config["BK"], stage
+        assert -(-shape["V"] // config["BV"]) == 3 and shape["V"] % config["BV"], stage
+    _check(got, want, FP32_TOL)
+
+
+@pytest.mark.parametrize("BT", [16, 32, 64])
+def test_backward_default_tiles_avoid_the_hopper_miscompile(BT):
+    """No 32-wide tile beside a 64-wide chunk (wrong dk/dg at K=20 under Triton 3.6 on the H200,
+    as the forward's KNOWN_BAD output tile); the state pass keeps all K rows."""
+    from gdngen.runtime.backward_tiles import backward_tiles
+    for K in (16, 20, 32, 64, 100, 128, 256):
+        for V in (16, 32, 64, 100, 128, 256):
+            for N, HV in ((1, 4), (2, 8), (4, 16), (16, 32)):
+                shape = dict(K=K, V=V, BT=BT, N=N, HV=HV, dtype=torch.bfloat16)
+                for stage in ("wy_prep", "chunk", "wy"):
+                    config = backward_tiles(stage, **shape)
+                    assert config["BK"] >= 64 and config.get("BV", 64) >= 64, (stage, shape, config)
+                state = backward_tiles("state", **shape)
+                assert state["BK"] >= K, (shape, state)
+                assert not (BT == 64 and state["BV"] == 32), (shape, state)
+
+
+def test_backward_tile_override_is_checked():
+    from gdngen.runtime.backward_tiles import backward_tiles, override_backward
+    shape = dict(K=40, V=16, BT=16, N=1, HV=2, dtype=torch.float32)
+    with override_backward("state", BK=32), pytest.raises(ValueError, match="BK"):
+        backward_tiles("state", **shape)          # would drop key rows 32..39
+    with override_backward("chunk", BV=24), pytest.raises(ValueError, match="BV"):
+        backward_tiles("chunk", **shape)
+    with pytest.raises(ValueError, match="stage"):
+        with override_backward("output", BK=16):
+            pass
+    with override_backward("chunk", BK=16):
+        assert backward_tiles("chunk", **shape)["BK"] == 16
+    assert backward_tiles("chunk", **shape)["BK"] == 64

@@ -1,13 +1,27 @@
-"""Launch parameters of the generated backward stages (safe defaults; not yet in the autotuner)."""
+"""Launch parameters of the generated backward stages (safe defaults; not yet in the autotuner).
+
+Tile rule learned on the H200 (Triton 3.6): no [*, 32] tensor-core product may take an operand
+that comes out of a 64-wide product in the same kernel. The forward output stage gave wrong rows
+with BV=32 next to its [BT=64, 64] Q K^T (gdngen.autotune.space.KNOWN_BAD); the backward chunk
+and wy stages at K=20 (BK=32 beside the [64, 64] dS and dA) gave wrong dk and dg while every
+gradient that avoids that path was right. Hence the chunk and wy tiles never go below 64 (a K or V
+below 64 is masked, not tiled narrower), and the state pass skips BV=32 at BT=64 (its
+(P * causal)^T feeds the [BT, BV] dvals product). BV=16 beside BT=64 is GPU-tested (K=V=128).
+"""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
 from gdngen.runtime.launch import next_pow2
 from gdngen.runtime.tiles import SM_COUNT_H200
 
+STAGES = ("wy_prep", "state", "chunk", "wy")
+_OVERRIDES: dict[str, dict] = {}
 
-def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
+
+def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
     """BK / BV / warps for one backward launch; every head dim up to 256 (tl.dot needs tiles >= 16).
 
     The reverse state pass keeps the whole K extent of its [K, BV] gradient slice in registers,
@@ -18,9 +32,46 @@ def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtyp
         bv = min(pv, 64 if pk <= 128 else 16)
         while bv > 16 and N * HV * -(-V // bv) < SM_COUNT_H200 // 2:
             bv //= 2
-        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 2}
+        if bv == 32 and BT >= 64:
+            bv = 16          # the module docstring's tile rule
+        # one pipeline stage at K=256, as the forward state pass (shared memory, H200)
+        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 2 if pk <= 128 else 1}
     if stage in ("chunk", "wy"):
-        return {"BK": min(64, pk), "BV": min(64, pv), "num_warps": 4, "num_stages": 2}
+        return {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
     if stage == "wy_prep":
-        return {"BK": min(64, pk), "num_warps": 4, "num_stages": 2}
+        return {"BK": 64, "num_warps": 4, "num_stages": 2}
     raise ValueError(f"stage: unknown backward stage {stage!r}")
+
+
+def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
+    """The defaults, with an :func:`override_backward` for ``stage`` merged over them."""
+    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype)
+    config.update(_OVERRIDES.get(stage, {}))
+    for key in ("BK", "BV"):
+        tile = config.get(key)
+        if tile is not None and (tile < 16 or tile & (tile - 1)):
+            raise ValueError(f"{key}: the {stage} stage needs a power of two >= 16, got {tile}")
+    if stage == "state" and config["BK"] < K:
+        # the reverse state pass holds all K rows of its slice: a narrower BK would drop rows
+        raise ValueError(f"BK: the state stage needs BK >= K ({K}), got {config['BK']}")
+    return config
+
+
+@contextmanager
+def override_backward(stage: str, **config):
+    """Temporarily replace some launch parameters of one backward stage (all specs).
+
+    For tests and tile experiments, e.g. multi-tile layouts at small head dims:
+    ``with override_backward("chunk", BK=16, BV=32): ...``.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage: unknown backward stage {stage!r}")
+    previous = _OVERRIDES.get(stage)
+    _OVERRIDES[stage] = dict(config)
+    try:
+        yield
+    finally:
+        if previous is None:
+            _OVERRIDES.pop(stage, None)
+        else:
+            _OVERRIDES[stage] = previous
