@@ -11,6 +11,7 @@ from functools import lru_cache
 
 
 from gdngen import algebra
+from gdngen.algebra import feature_maps
 from gdngen.spec import Spec
 
 # Names the stage templates give their block values; the printer maps algebra symbols onto them.
@@ -49,6 +50,8 @@ class Plan:
 STAGES = {
     "l2norm": Stage("l2norm", "stages/l2norm.py.j2", "_l2norm_fwd_kernel",
                     "L2-normalise q and k rows (use_qk_l2norm_in_kernel)"),
+    "random_features": Stage("random_features", "stages/random_features.py.j2", "_random_features_fwd_kernel",
+                             "Performer features phi(x) = exp(W x - |x|^2/2) / sqrt(m) of q and k (K -> m), once"),
     "gates": Stage("gates", "stages/gates.py.j2", "_gates_fwd_kernel",
                    "activate the gates; chunk-local cumsum of the log-decay"),
     "wy": Stage("wy", "stages/wy.py.j2", "_wy_fwd_kernel_bt<BT>",
@@ -95,6 +98,7 @@ def build_plan(spec: Spec) -> Plan:
         "beta_sigmoid": "sigmoid" in spec.gates.beta,
         "neg_eigval": t.allow_neg_eigval,
         "qk_l2norm": spec.qk_l2norm,
+        "feature_maps": list(spec.feature_maps),
     }
     exprs = {
         "score_decay": _print(alg.score_decay, _ROW_COL),
@@ -116,7 +120,10 @@ def build_plan(spec: Spec) -> Plan:
     # Vector decay runs the same stages: the templates apply its factors per key channel inside
     # the contraction over K (`per_channel`), on 16-row sub-blocks so no exponent is positive.
     exprs["per_channel"] = alg.per_channel
-    names = (["l2norm"] if spec.qk_l2norm else []) + ["gates"]
+    exprs.update(_feature_map_exprs(spec))
+    names = (["l2norm"] if spec.qk_l2norm else [])
+    names += ["random_features"] if "random_features" in spec.feature_maps else []
+    names += ["gates"]
     names += ["wy"] if t.delta else []
     names += ["state", "output", "recurrent"]
     stages = tuple(STAGES[n] for n in names)
@@ -129,6 +136,26 @@ def build_plan(spec: Spec) -> Plan:
     return Plan(spec=spec, backend="triton", stages=stages,
                 exprs=exprs, info=info, backward_backend=backward_backend,
                 backward_stages=backward_stages, backward_reason=backward_reason)
+
+
+def _feature_map_exprs(spec: Spec) -> dict:
+    """Printed feature maps (gdngen.algebra.feature_maps) for the templates.
+
+    ``feature_map_exprs``: ``(name, FEATURE_MAP code, f(b_fx))`` of each element-wise map the
+    spec declares other than identity; the kernels branch on the constexpr ``FEATURE_MAP`` and
+    apply ``f`` to a q/k tile right after its load (stages/_feature_map.j2). Empty: the kernels
+    take no ``FEATURE_MAP`` at all. ``random_features_expr``: Performer's feature over the
+    projection ``b_p`` [rows, m], the half squared norms ``b_n`` [rows] and ``num_features``, or
+    None when the spec does not declare random features.
+    """
+    elementwise = [(name, feature_maps.CODES[name], _print(feature_maps.elementwise(name), {"x": "b_fx"}))
+                   for name in spec.feature_maps if name in feature_maps.ELEMENTWISE and name != "identity"]
+    random = None
+    if "random_features" in spec.feature_maps:
+        random = _print(feature_maps.random_features(), {"p": "b_p", "n": "b_n[:, None]", "m": "num_features"})
+    return {"feature_map_exprs": elementwise, "random_features_expr": random,
+            "feature_map_codes": {name: feature_maps.CODES[name] for name in ("identity",) + tuple(
+                n for n in spec.feature_maps if n != "identity")}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +217,11 @@ def public_api(plan: Plan) -> dict:
         keywords.append(("allow_neg_eigval", False))
     if spec.normalize:
         keywords.append(("normalize", True))
+    mapped = spec.feature_maps != ("identity",)
+    if mapped:
+        keywords.append(("feature_map", None))
+    if "random_features" in spec.feature_maps:
+        keywords.append(("feature_projection", None))
     camel = "".join(part.capitalize() for part in spec.name.split("_"))
     rule = {"none": "", "scalar": "exp(g_t) ", "vector": "diag(exp(g_t)) "}[t.decay]
     if t.delta:
@@ -226,6 +258,8 @@ def public_api(plan: Plan) -> dict:
         "beta_sigmoid": info["beta_sigmoid"],
         "neg_eigval": info["neg_eigval"],
         "normalize": spec.normalize,
+        "feature_maps": mapped,
+        "random_features": "random_features" in spec.feature_maps,
         "summary": summary,
         "backend_note": note,
     }

@@ -31,15 +31,16 @@ sequence boundary.  Without ``cu_seqlens`` each batch row is one sequence (``N =
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from gdngen.spec import Spec
+from gdngen.spec import FEATURE_MAP_ALIASES, Spec
 
-__all__ = ["FORMS", "prepare_inputs", "recurrent", "chunked", "scan", "run"]
+__all__ = ["FORMS", "prepare_inputs", "apply_feature_map", "recurrent", "chunked", "scan", "run"]
 
 FORMS = ("recurrent", "chunked", "scan")
 L2NORM_EPS = 1e-6          # FLA's l2norm: x * rsqrt(sum(x^2) + eps)
@@ -142,12 +143,54 @@ def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
+def apply_feature_map(name: str, x: Tensor, projection: Optional[Tensor] = None) -> Tensor:
+    """The feature map ``φ`` on the last dimension of ``x``, in ``x``'s dtype (differentiable).
+
+    ``identity``; ``elu+1`` (``elu(x) + 1``, alias ``elu``); ``relu``; ``random_features``
+    (Performer's positive features, ``projection`` W ``[m, K]``):
+    ``φ(x)_i = exp(w_i . x - |x|^2 / 2) / sqrt(m)``, so the last dimension becomes ``m``.
+    """
+    name = FEATURE_MAP_ALIASES.get(name, name)
+    if name == "identity":
+        return x
+    if name == "elu+1":
+        return F.elu(x) + 1.0
+    if name == "relu":
+        return F.relu(x)
+    if name == "random_features":
+        half_norm = 0.5 * (x * x).sum(-1, keepdim=True)
+        return torch.exp(x @ projection.to(x.dtype).transpose(0, 1) - half_norm) / math.sqrt(projection.shape[0])
+    raise ValueError(f"feature_map: unknown feature map {name!r}")
+
+
+def _check_feature_map(spec: Spec, feature_map: Optional[str], projection: Optional[Tensor],
+                       K: int) -> str:
+    """The spec's name of the requested map (identity when None); ValueError naming the argument."""
+    name = "identity" if feature_map is None else feature_map
+    if not isinstance(name, str):
+        raise TypeError(f"feature_map: expected a name or None, got {type(name).__name__}")
+    name = FEATURE_MAP_ALIASES.get(name, name)
+    if name != "identity" and name not in spec.feature_maps:
+        raise ValueError(f"feature_map: spec '{spec.name}' declares feature_maps "
+                         f"{list(spec.feature_maps)}, got {feature_map!r}")
+    if name == "random_features":
+        if projection is None:
+            raise ValueError("feature_projection: random_features needs the projection W [m, K]")
+        _check_float("feature_projection", projection)
+        if projection.dim() != 2 or projection.shape[1] != K or projection.shape[0] < 1:
+            raise ValueError(f"feature_projection: expected [m, K={K}], got {_shape(projection)}")
+    elif projection is not None:
+        raise ValueError("feature_projection: only used with feature_map='random_features'")
+    return name
+
+
 def prepare_inputs(spec: Spec, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
                    beta: Optional[Tensor] = None, *, use_qk_l2norm_in_kernel: bool = False,
                    use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
                    dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-                   allow_neg_eigval: bool = False):
-    """Apply the spec's fused gate parameterisations in float64.
+                   allow_neg_eigval: bool = False, feature_map: Optional[str] = None,
+                   feature_projection: Optional[Tensor] = None):
+    """Apply the spec's fused gate parameterisations and feature map in float64.
 
     Returns float64 ``(q, k, v, g, beta)`` ready for :func:`recurrent`, :func:`chunked` or
     :func:`scan` (``g`` is None for decay ``none``, ``beta`` None for the additive family):
@@ -156,11 +199,15 @@ def prepare_inputs(spec: Spec, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tens
     * ``use_gate_in_kernel``: ``g <- -exp(A_log[hv]) * softplus(g + dt_bias[hv])``;
       ``A_log`` and ``dt_bias`` are ``[HV]``, ``dt_bias`` optional (zero).
     * ``use_beta_sigmoid_in_kernel``: ``beta <- sigmoid(beta)``, times 2 if ``allow_neg_eigval``.
+    * ``feature_map``: ``q, k <- φ(q), φ(k)`` (:func:`apply_feature_map`, after the L2 norm); with
+      ``random_features`` the projection ``feature_projection`` ``[m, K]`` makes the key
+      dimension (and the state's) ``m``.
 
     Each option must be one the spec declares (``qk_l2norm``, ``gates.decay: fused``,
     ``gates.beta: sigmoid``, ``transition.allow_neg_eigval``); otherwise ``ValueError``.
     """
     _check_inputs(spec, q, k, v, g, beta)
+    feature_map = _check_feature_map(spec, feature_map, feature_projection, q.shape[-1])
     HV = v.shape[2]
     f64 = torch.float64
     q, k, v = q.to(f64), k.to(f64), v.to(f64)
@@ -171,6 +218,9 @@ def prepare_inputs(spec: Spec, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tens
         if not spec.qk_l2norm:
             raise ValueError(f"use_qk_l2norm_in_kernel: spec '{spec.name}' has qk_l2norm false")
         q, k = _l2norm(q), _l2norm(k)
+    if feature_map != "identity":
+        projection = None if feature_projection is None else feature_projection.to(f64)
+        q, k = apply_feature_map(feature_map, q, projection), apply_feature_map(feature_map, k, projection)
 
     if use_gate_in_kernel:
         if "fused" not in spec.gates.decay:
@@ -523,7 +573,8 @@ def run(spec: Spec, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
         cu_seqlens: Optional[Tensor] = None, use_qk_l2norm_in_kernel: bool = False,
         use_gate_in_kernel: bool = False, A_log: Optional[Tensor] = None,
         dt_bias: Optional[Tensor] = None, use_beta_sigmoid_in_kernel: bool = False,
-        allow_neg_eigval: bool = False, normalize: bool = False):
+        allow_neg_eigval: bool = False, normalize: bool = False, feature_map: Optional[str] = None,
+        feature_projection: Optional[Tensor] = None):
     """Prepare the inputs (:func:`prepare_inputs`) and evaluate one form.
 
     ``form`` is one of :data:`FORMS`; ``chunk_size`` (default ``spec.chunk.default``) is used by
@@ -535,7 +586,8 @@ def run(spec: Spec, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
     q, k, v, g, beta = prepare_inputs(
         spec, q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        feature_map=feature_map, feature_projection=feature_projection)
     common = dict(scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                   normalize=normalize)

@@ -19,6 +19,8 @@ DECAY_PARAMS = ("given", "fused")      # log-decay passed in, or -exp(A_log)*sof
 BETA_PARAMS = ("given", "sigmoid")     # beta passed in, or sigmoid(logits) (2*sigmoid with neg eigvals)
 DTYPES = ("float32", "float16", "bfloat16")
 FEATURE_MAPS = ("identity", "elu+1", "relu", "random_features")
+# Other spellings a call may use for a feature map (FLA and Katharopoulos et al. call elu+1 "elu").
+FEATURE_MAP_ALIASES = {"elu": "elu+1"}
 CHUNK_SIZES = (16, 32, 64, 128)
 MAX_HEAD_DIM = 256
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gdngen.spec import FEATURE_MAP_ALIASES
+
 _NOT_GIVEN = object()     # chunk_size is checked only when the caller passes one
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STATE_DTYPES = (torch.float32, torch.bfloat16)     # what a recurrent state pool may hold
@@ -25,10 +27,11 @@ class Problem:
     T: int
     H: int
     HV: int
-    K: int
+    K: int              # the state's key dimension: q's K, or m with random features
     V: int
     N: int              # number of sequences (B, or len(cu_seqlens) - 1)
     varlen: bool
+    feature_map: str = "identity"     # the spec's name of the requested feature map
 
 
 @contextmanager
@@ -85,12 +88,14 @@ def validate_chunk_call(
     dt_bias=None,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    feature_map=None,
+    feature_projection=None,
 ) -> Problem:
     """Check every argument of a generated ``chunk_*`` / ``fused_recurrent_*`` call.
 
     ``info`` is the spec summary a generated module embeds: ``name``, ``decay``, ``delta``,
     ``chunk_sizes``, ``max_k``, ``max_v``, ``gva``, ``input_dtypes``, ``gate_fused``,
-    ``beta_sigmoid``, ``neg_eigval``.
+    ``beta_sigmoid``, ``neg_eigval`` and (optional) ``feature_maps``.
     """
     q = _tensor("q", q, ndim=4)
     k = _tensor("k", k, ndim=4)
@@ -191,10 +196,45 @@ def validate_chunk_call(
     else:
         N = B
 
+    feature_map, K = validate_feature_map(info, feature_map, feature_projection, q)
     if initial_state is not None:
         initial_state = _tensor("initial_state", initial_state)
-        _shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
-    return Problem(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, varlen=varlen)
+        _shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]" if feature_map != "random_features"
+               else "[N, HV, m, V]: the random features' dimension m is the state's key dimension")
+    return Problem(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, varlen=varlen, feature_map=feature_map)
+
+
+def validate_feature_map(info: dict, feature_map, feature_projection, q: torch.Tensor) -> tuple[str, int]:
+    """Check ``feature_map`` / ``feature_projection``; returns (the spec's map name, the state's key dim).
+
+    ``None`` is ``identity`` (always allowed); ``elu`` is ``elu+1``; any other map must be one the
+    spec declares (``info["feature_maps"]``). ``random_features`` needs ``feature_projection``
+    ``[m, K]`` (1 <= m <= the spec's max_k) on q's device; every other map refuses one.
+    """
+    K = q.shape[-1]
+    declared = info.get("feature_maps", ["identity"])
+    if feature_map is None:
+        name = "identity"
+    elif not isinstance(feature_map, str):
+        raise TypeError(f"feature_map: expected a name (one of {declared}) or None, got {type(feature_map).__name__}")
+    else:
+        name = FEATURE_MAP_ALIASES.get(feature_map, feature_map)
+        if name != "identity" and name not in declared:
+            raise ValueError(f"feature_map: spec '{info['name']}' declares feature maps {declared}, got {feature_map!r}")
+    if name != "random_features":
+        if feature_projection is not None:
+            raise ValueError("feature_projection: only used with feature_map='random_features'")
+        return name, K
+    if feature_projection is None:
+        raise ValueError("feature_projection: feature_map='random_features' needs the projection W [m, K]")
+    proj = _tensor("feature_projection", feature_projection, ndim=2)
+    m = proj.shape[0]
+    if proj.shape[1] != K or not 1 <= m <= info["max_k"]:
+        raise ValueError(f"feature_projection: expected shape (m, {K}) ([m, K], 1 <= m <= {info['max_k']}), "
+                         f"got {tuple(proj.shape)}")
+    if proj.device != q.device:
+        raise ValueError(f"feature_projection: on {proj.device}, expected the device of q ({q.device})")
+    return name, m
 
 
 def validate_recurrent_call(
