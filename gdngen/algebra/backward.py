@@ -23,6 +23,17 @@ recurrence of one symbolic chunk (:mod:`gdngen.algebra.proof`) for a scalar loss
            R = [diag(β)(K ⊙ key_w_decay) | diag(β) V], then the chain through A, β and γ
     dg    = reverse cumsum of dγ inside the chunk (γ is the inclusive cumsum of g)
 
+Vector decay (``per_channel``): every factor carries a key channel ``c`` and sits inside the
+contraction over K, so ``dγ`` is ``[C, K]`` (no sum over c) and the chain through ``A`` needs
+the decayed products ``Y_ic = sum_j dA_ij k_jc E_c[i,j]`` (row side) and
+``X_jc = sum_i dA_ij beta_i k_ic E_c[i,j]`` (column side) rather than a scalar ``G = dA ⊙ E``::
+
+    dQ    = (dO S^T) ⊙ query_state_decay + sum_j dP_ij k_j ⊙ E[i,j]          dP = dO V^T ⊙ M
+    dK    = sum_i dP_ij q_i ⊙ E[i,j] + (V dS'^T) ⊙ key_update_decay
+    dγ    = Q ⊙ dQ - K ⊙ dK, last row += state_decay ⊙ rowsum(S ⊙ dS') + colsum(K ⊙ dK_state)
+    delta: dβ += rowsum(K ⊙ Y), dK += diag(β) Y + X, dγ += K ⊙ (diag(β) Y) - K ⊙ X
+           (plus the W terms, per channel: dγ += dR_k ⊙ R_k)
+
 Exactness: the check substitutes random rationals (and positive rationals for ``a_t = exp(g_t)``),
 so equality is exact; an identity that held only by luck at one point would have to be a root of
 a nonzero polynomial, which random points avoid with overwhelming probability.
@@ -103,6 +114,8 @@ def chunk_backward_recipe(decay: str, delta: bool, ch: _Chunk, point: dict, dO, 
     ``dO`` is ``[C, V]`` and ``dS`` (the gradient on the chunk's end state) ``[K, V]``.  Returns a
     dict of sympy matrices: ``dq, dk, dv [C, *]``, ``dbeta, dg [C, 1]`` and ``dS0 [K, V]``."""
     alg = derive(decay, delta) if algebra is None else algebra
+    if alg.per_channel:
+        return _vector_backward_recipe(alg, delta, ch, point, dO, dS)
     C, K, V = ch.C, ch.K, ch.V
     f = _factor_values(alg, ch, point)
     Q = sp.Matrix(C, K, lambda i, c: ch.q[i + 1][c]).xreplace(point)
@@ -163,6 +176,91 @@ def chunk_backward_recipe(decay: str, delta: bool, ch: _Chunk, point: dict, dO, 
     return dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg, dS0=dS0)
 
 
+def _vector_backward_recipe(alg, delta: bool, ch: _Chunk, point: dict, dO, dS):
+    """The per-channel recipe (see the module docstring): every decay factor is evaluated per key
+    channel c and applied inside the contraction over K; ``dg`` is ``[C, K]``."""
+    C, K, V = ch.C, ch.K, ch.V
+    gamma = {p: [sp.Add(*[ch.g[t][c] for t in range(1, p + 1)]) for c in range(K)] for p in range(0, C + 1)}
+
+    def f(name, c, row=None, col=None):
+        sub = {G_LAST: gamma[C][c]}
+        if row is not None:
+            sub[G_ROW] = gamma[row][c]
+        if col is not None:
+            sub[G_COL] = gamma[col][c]
+        return _exp_to_monomial(sp.sympify(getattr(alg, name)).xreplace(sub), ch.alpha).xreplace(point)
+
+    Q = sp.Matrix(C, K, lambda i, c: ch.q[i + 1][c]).xreplace(point)
+    Kmat = sp.Matrix(C, K, lambda i, c: ch.k[i + 1][c]).xreplace(point)
+    Vmat = sp.Matrix(C, V, lambda i, d: ch.v[i + 1][d]).xreplace(point)
+    S0 = ch.S0.xreplace(point)
+    beta = [ch.beta[i + 1].xreplace(point) for i in range(C)]
+    E = {c: sp.Matrix(C, C, lambda i, j: f("score_decay", c, i + 1, j + 1) if i >= j else 0) for c in range(K)}
+    q_dec = sp.Matrix(C, K, lambda i, c: f("query_state_decay", c, row=i + 1))
+    k_dec = sp.Matrix(C, K, lambda j, c: f("key_update_decay", c, col=j + 1))
+    s_dec = [f("state_decay", c) for c in range(K)]
+
+    def had(a, b):                        # element-wise product
+        return sp.Matrix(a.rows, a.cols, lambda i, c: a[i, c] * b[i, c])
+
+    def rows(vec, mat):                   # diag(vec) mat
+        return sp.Matrix(mat.rows, mat.cols, lambda i, c: vec[i] * mat[i, c])
+
+    def scores(X, Y, strict):             # sum_c X_ic Y_jc E_c[i, j] on i >= j (i > j when strict)
+        return sp.Matrix(C, C, lambda i, j: sum(X[i, c] * Y[j, c] * E[c][i, j] for c in range(K))
+                         if (i > j if strict else i >= j) else 0)
+
+    def row_side(M, Y):                   # out_ic = sum_j M_ij Y_jc E_c[i, j]
+        return sp.Matrix(C, K, lambda i, c: sum(M[i, j] * Y[j, c] * E[c][i, j] for j in range(C)))
+
+    def col_side(M, X):                   # out_jc = sum_i M_ij X_ic E_c[i, j]
+        return sp.Matrix(C, K, lambda j, c: sum(M[i, j] * X[i, c] * E[c][i, j] for i in range(C)))
+
+    if delta:
+        key_w = sp.Matrix(C, K, lambda j, c: f("key_w_decay", c, col=j + 1))
+        A = rows(beta, scores(Kmat, Kmat, strict=True))
+        Tm = (sp.eye(C) + A).inv()
+        Rk = rows(beta, had(Kmat, key_w))
+        Rv = rows(beta, Vmat)
+        W, U = Tm * Rk, Tm * Rv
+        values = U - W * S0
+    else:
+        values = Vmat
+    P = scores(Q, Kmat, strict=False)
+    dvals = P.T * dO + had(k_dec, Kmat) * dS
+    dS0 = sp.diag(*s_dec) * dS + had(q_dec, Q).T * dO
+    if delta:
+        dS0 = dS0 - W.T * dvals
+    dP = sp.Matrix(C, C, lambda i, j: (dO.row(i) * values.row(j).T)[0] if i >= j else 0)
+    dq = had(q_dec, dO * S0.T) + row_side(dP, Kmat)
+    dk_state = had(k_dec, values * dS.T)
+    dk = col_side(dP, Q) + dk_state
+    dgamma = had(Q, dq) - had(Kmat, dk)
+    for c in range(K):
+        dgamma[C - 1, c] += s_dec[c] * sum(S0[c, d] * dS[c, d] for d in range(V)) \
+            + sum(Kmat[j, c] * dk_state[j, c] for j in range(C))
+    dbeta = sp.zeros(C, 1)
+    if delta:
+        dW = -dvals * S0.T
+        dRk, dRv = Tm.T * dW, Tm.T * dvals
+        dv = rows(beta, dRv)
+        dbeta += sp.Matrix(C, 1, lambda i, _: sum(dRk[i, c] * Kmat[i, c] * key_w[i, c] for c in range(K))
+                           + sum(dRv[i, d] * Vmat[i, d] for d in range(V)))
+        dgamma += had(dRk, Rk)
+        dA = -(dRk * Rk.T + dRv * Rv.T) * Tm.T
+        dA = sp.Matrix(C, C, lambda i, j: dA[i, j] if i > j else 0)
+        Y = row_side(dA, Kmat)
+        X = col_side(dA, rows(beta, Kmat))
+        dbeta += sp.Matrix(C, 1, lambda i, _: sum(Kmat[i, c] * Y[i, c] for c in range(K)))
+        dk_rows = rows(beta, Y)
+        dgamma += had(Kmat, dk_rows) - had(Kmat, X)
+        dk = dk + rows(beta, had(key_w, dRk)) + dk_rows + X
+    else:
+        dv = dvals
+    dg = sp.Matrix(C, K, lambda t, c: sum(dgamma[s, c] for s in range(t, C)))
+    return dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dg=dg, dS0=dS0)
+
+
 @dataclass(frozen=True)
 class BackwardCheck:
     decay: str
@@ -184,11 +282,9 @@ def check_chunk_backward(decay: str, delta: bool, C: int = 3, *, K: int = 2, V: 
 
     Every gradient (q, k, v, beta, g, the chunk-start state) is compared exactly at a random
     rational point; ``AssertionError`` names the first difference.  Pass a deliberately altered
-    ``algebra`` (a :class:`ChunkAlgebra`) to see the check fail.  Scalar decay or none (vector
-    decay has per-channel gate gradients, not covered by this recipe)."""
+    ``algebra`` (a :class:`ChunkAlgebra`) to see the check fail.  Every decay: with vector decay
+    the log-decay is one symbol per token and key channel, and ``dg[t, c]`` is checked per channel."""
     decay, delta = _validate(decay, delta)
-    if decay == "vector":
-        raise NotImplementedError("the backward recipe covers decay 'none' and 'scalar'")
     t0 = time.perf_counter()
     rng = random.Random(seed)
 
@@ -202,7 +298,7 @@ def check_chunk_backward(decay: str, delta: bool, C: int = 3, *, K: int = 2, V: 
     for t in range(1, C + 1):
         point.update({s: rat() for s in ch.q[t] + ch.k[t] + ch.v[t]})
         point[ch.beta[t]] = sp.Rational(rng.randint(1, 9), 10)
-        point[ch.a[t][0]] = sp.Rational(rng.randint(1, 9), 10)
+        point.update({a: sp.Rational(rng.randint(1, 9), 10) for a in set(ch.a[t])})
     point.update({s: rat() for s in ch.S0})
     recipe = chunk_backward_recipe(decay, delta, ch, point, dO, dS, algebra)
     eps = sp.Symbol("eps")
@@ -232,7 +328,10 @@ def check_chunk_backward(decay: str, delta: bool, C: int = 3, *, K: int = 2, V: 
         checks += [(f"dv[{t}, {d}]", recipe["dv"][t - 1, d], grad(ch.v[t][d])) for d in range(V)]
         if delta:
             checks.append((f"dbeta[{t}]", recipe["dbeta"][t - 1], grad(ch.beta[t])))
-        if decay != "none":
+        if decay == "vector":
+            # d/dg_tc = a_tc d/da_tc (a_tc = exp(g_tc)), one per key channel
+            checks += [(f"dg[{t}, {c}]", recipe["dg"][t - 1, c], grad(ch.a[t][c], relative=True)) for c in range(K)]
+        elif decay != "none":
             # d/dg_t = a_t d/da_t (a_t = exp(g_t))
             a = ch.a[t][0]
             checks.append((f"dg[{t}]", recipe["dg"][t - 1], grad(a, relative=True)))
