@@ -171,10 +171,16 @@ BACKWARD_STAGES = {
     "state": Stage("state", "stages/backward_state.py.j2", "_state_bwd_kernel",
                    "reverse pass over chunks: dh (gradient on each chunk's end state), dh0, and the "
                    "gradient of the values (v, or V_new for the delta rule)"),
+    "intra": Stage("intra", "stages/backward_intra.py.j2", "_intra_bwd_kernel_bt<BT>",
+                   "vector decay: the chunk-local part of the values' gradient, scale (P * causal)^T dO, "
+                   "scores on 16-row blocks"),
     "chunk": Stage("chunk", "stages/backward_chunk.py.j2", "_chunk_bwd_kernel",
                    "chunk-parallel dq, dk, dW and the log-decay cumsum gradient from h, dh, dO"),
     "wy": Stage("wy", "stages/backward_wy.py.j2", "_wy_bwd_kernel",
                 "through T = (I + A)^-1, W and U: dk, dv, dbeta and the decay gradient (delta rule)"),
+    "wy_decay": Stage("wy_decay", "stages/backward_wy.py.j2", "_wy_decay_bwd_kernel_bt<BT>",
+                      "vector decay + delta: the chain through A's per-channel decayed scores "
+                      "(dk, dbeta, decay gradient) on 16-row blocks"),
     "gates": Stage("gates", "stages/backward_gates.py.j2", "_gates_bwd_kernel",
                    "reverse cumsum of the decay gradient per chunk, floor mask, fused gate and beta activations"),
     "l2norm": Stage("l2norm", "stages/backward_l2norm.py.j2", "_l2norm_bwd_kernel",
@@ -184,10 +190,9 @@ BACKWARD_STAGES = {
 
 def _backward_plan(spec: Spec, alg) -> tuple:
     """(backend, stages, reason, printed expressions) of the chunk backward for ``spec``."""
-    if alg.per_channel:
-        return ("reference", (), "per-channel decay has no generated backward yet", {})
     t = spec.transition
-    names = (["wy_prep"] if t.delta else []) + ["state", "chunk"] + (["wy"] if t.delta else [])
+    names = (["wy_prep"] if t.delta else []) + (["intra"] if alg.per_channel else []) + ["state", "chunk"]
+    names += (["wy"] + (["wy_decay"] if alg.per_channel else [])) if t.delta else []
     names += ["gates"] + (["l2norm"] if spec.qk_l2norm else [])
     d = algebra.gate_derivatives()
     gate_names = {"x": "b_x", "A_log": "b_A_log", "dt_bias": "b_dt_bias"}
@@ -198,7 +203,12 @@ def _backward_plan(spec: Spec, alg) -> tuple:
         "beta_activation_db": _print(d["beta_db"], {"b": "b_b"}),
         "beta_activation_neg_db": _print(d["beta_neg_db"], {"b": "b_b"}),
     }
-    return ("triton", tuple(BACKWARD_STAGES[n] for n in names), "", exprs)
+    stages = tuple(BACKWARD_STAGES[n] for n in names)
+    if alg.per_channel:
+        # block-unrolled over 16-row sub-blocks: one kernel per chunk size
+        stages = tuple(Stage(s.name, s.template, f"{s.kernel}_bt<BT>", s.purpose) if s.name == "chunk" else s
+                       for s in stages)
+    return ("triton", stages, "", exprs)
 
 
 def public_api(plan: Plan) -> dict:

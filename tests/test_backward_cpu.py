@@ -27,7 +27,7 @@ ALL_FUSED = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta
 
 
 def _grads(name, *, dtype=torch.float32, options=None, chunk_size=16, final_grad=True, hard_decay=False,
-           positive_qk=False, seed=0, **shape):
+           strong_decay=False, positive_qk=False, seed=0, **shape):
     """(generated grads, float64 reference grads) by input name, for one random problem."""
     options = dict(options or {})
     spec = load_spec(f"specs/{name}.yaml")
@@ -41,8 +41,15 @@ def _grads(name, *, dtype=torch.float32, options=None, chunk_size=16, final_grad
             inputs[n] = torch.nn.functional.elu(inputs[n]) + 1
     if hard_decay:
         # log-decays below the gates stage's floor (-60): a floored value has no gradient
-        inputs["g"][..., 3, :] = -80.0
-        inputs["g"][..., -1, 0] = -200.0
+        inputs["g"][:, 3] = -80.0                  # token 3, every head (and key channel)
+        inputs["g"][:, -1, 0] = -200.0
+    if strong_decay:
+        # log-gates down to -20 per token: a chunk's cumsum reaches -1280, so any factoring of
+        # exp(g_i - g_j) through a positive exponent overflows; half the channels stay mild
+        gen = torch.Generator().manual_seed(seed + 7)
+        strong = -20.0 * torch.rand(inputs["g"].shape, generator=gen)
+        inputs["g"] = torch.where(torch.arange(inputs["g"].shape[-1]) % 2 == 0, strong.to(inputs["g"].dtype),
+                                  inputs["g"])
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
     args = {**inputs, **leaves}
@@ -75,6 +82,7 @@ def _check(got, want, tol):
     assert not bad, f"relative RMSE vs the float64 reference: {bad} (all: {errors})"
     for n in got:
         assert got[n].dtype == want[n].dtype or got[n].dtype != torch.float64, n
+        assert torch.isfinite(got[n]).all(), f"{n} has non-finite entries"
 
 
 FP32_CASES = {
@@ -140,22 +148,28 @@ def test_backward_plan_covers_none_and_scalar_decay():
         assert plan.backward_backend == "triton", name
         assert [s.name for s in plan.backward_stages][-2:] in (["chunk", "gates"], ["wy", "gates"],
                                                                ["gates", "l2norm"])
-    for name in ("gla", "kda"):      # per-channel decay: still the float64 replay
-        plan = build_plan(load_spec(f"specs/{name}.yaml"))
-        assert plan.backward_backend == "reference" and plan.backward_reason
+    # per-channel decay: the decayed scores on 16-row blocks (intra, wy_decay stages)
+    plan = build_plan(load_spec("specs/gla.yaml"))
+    assert plan.backward_backend == "triton"
+    assert [s.name for s in plan.backward_stages] == ["intra", "state", "chunk", "gates"]
+    plan = build_plan(load_spec("specs/kda.yaml"))
+    assert plan.backward_backend == "triton"
+    assert [s.name for s in plan.backward_stages] == ["wy_prep", "intra", "state", "chunk", "wy", "wy_decay",
+                                                      "gates", "l2norm"]
 
 
-@pytest.mark.parametrize("decay", ["none", "scalar"])
+@pytest.mark.parametrize("decay", ["none", "scalar", "vector"])
 @pytest.mark.parametrize("delta", [False, True])
 def test_backward_recipe_equals_differentiated_recurrence(decay, delta):
     report = check_chunk_backward(decay, delta, C=3)
     assert report.entries >= 20
 
 
-def test_backward_recipe_check_catches_a_wrong_factor():
-    wrong = dataclasses.replace(derive("scalar", True), key_update_decay=sp.exp(G_LAST))
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_backward_recipe_check_catches_a_wrong_factor(decay):
+    wrong = dataclasses.replace(derive(decay, True), key_update_decay=sp.exp(G_LAST))
     with pytest.raises(AssertionError, match="differentiation gives"):
-        check_chunk_backward("scalar", True, algebra=wrong)
+        check_chunk_backward(decay, True, algebra=wrong)
 
 
 def test_gate_derivatives_and_l2norm_backward():
@@ -229,3 +243,62 @@ def test_backward_tile_override_is_checked():
     with override_backward("chunk", BK=16):
         assert backward_tiles("chunk", **shape)["BK"] == 16
     assert backward_tiles("chunk", **shape)["BK"] == 64
+
+
+# ---- per-channel (vector) decay: gla and kda. Their scores carry the decay inside the contraction over K,
+# built on 16-row blocks so no exponent is positive; strong decay (log-gates to -20 per token)
+# must stay finite and accurate.
+CHANNEL_FP32_CASES = {
+    "gla-gva-odd-bt32-floor": ("gla", dict(B=2, T=45, H=1, HV=2, K=20, V=12, chunk_size=32, hard_decay=True)),
+    "gla-varlen-bt16": ("gla", dict(lengths=[7, 0, 1, 33], H=1, HV=2, K=16, V=16, chunk_size=16)),
+    "gla-dense-bt64": ("gla", dict(B=1, T=50, H=2, HV=2, K=32, V=32, chunk_size=64)),
+    "gla-no-h0-no-dht-bt32": ("gla", dict(B=1, T=37, H=1, HV=2, K=16, V=16, chunk_size=32, h0=False,
+                                          final_grad=False)),
+    "gla-strong-decay-bt64": ("gla", dict(B=1, T=50, H=1, HV=2, K=16, V=24, chunk_size=64, strong_decay=True)),
+    "gla-strong-decay-varlen-bt32": ("gla", dict(lengths=[1, 40, 0, 6], H=1, HV=1, K=20, V=16, chunk_size=32,
+                                                 strong_decay=True)),
+    "kda-gva-odd-bt32-floor": ("kda", dict(B=2, T=45, H=1, HV=2, K=20, V=12, chunk_size=32, hard_decay=True)),
+    "kda-varlen-l2norm-sigmoid-bt16": ("kda", dict(lengths=[7, 0, 1, 33], H=1, HV=2, K=16, V=16, chunk_size=16,
+                                                   options=dict(use_qk_l2norm_in_kernel=True,
+                                                                use_beta_sigmoid_in_kernel=True))),
+    "kda-strong-decay-bt64": ("kda", dict(B=1, T=50, H=2, HV=2, K=32, V=32, chunk_size=64, strong_decay=True)),
+    "kda-no-h0-no-dht-strong-varlen-bt32": ("kda", dict(lengths=[1, 40, 0, 6], H=1, HV=1, K=20, V=16,
+                                                        chunk_size=32, h0=False, final_grad=False,
+                                                        strong_decay=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CHANNEL_FP32_CASES))
+def test_channel_backward_fp32_matches_reference(case):
+    name, kwargs = CHANNEL_FP32_CASES[case]
+    got, want = _grads(name, **kwargs)
+    _check(got, want, FP32_TOL)
+
+
+@pytest.mark.parametrize("name,strong_decay", [("gla", False), ("gla", True), ("kda", True)])
+def test_channel_backward_fp16_matches_reference(name, strong_decay):
+    options = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True) if name == "kda" else {}
+    got, want = _grads(name, dtype=torch.float16, B=1, T=40, H=1, HV=2, K=32, V=32, chunk_size=16,
+                       strong_decay=strong_decay, options=options)
+    _check(got, want, FP16_TOL)
+
+
+@pytest.mark.parametrize("name", ["gla", "kda"])
+def test_channel_backward_is_bitwise_reproducible(name):
+    shape = dict(lengths=[7, 0, 1, 25], H=1, HV=2, K=16, V=16, chunk_size=16, strong_decay=True)
+    first, _ = _grads(name, **shape)
+    second, _ = _grads(name, **shape)
+    for n in first:
+        assert torch.equal(first[n], second[n]), f"{n} differs between two identical runs"
+
+
+@pytest.mark.parametrize("name", ["gla", "kda"])
+def test_channel_backward_multi_tile_layouts(name):
+    """Several key and value tiles per head, the last partly masked: key tiles own disjoint
+    channels of the per-channel dg slots, value tiles accumulate dP."""
+    from gdngen.runtime import backward_tiles as bt
+    with bt.override_backward("chunk", BK=16, BV=16), bt.override_backward("intra", BK=16, BV=16), \
+            bt.override_backward("state", BV=16), bt.override_backward("wy", BK=16, BV=16), \
+            bt.override_backward("wy_prep", BK=16), bt.override_backward("wy_decay", BK=16):
+        got, want = _grads(name, B=1, T=36, H=1, HV=2, K=40, V=36, chunk_size=32, strong_decay=True)
+    _check(got, want, FP32_TOL)

@@ -17,7 +17,7 @@ import torch
 from gdngen.runtime.launch import next_pow2
 from gdngen.runtime.tiles import SM_COUNT_H200
 
-STAGES = ("wy_prep", "state", "chunk", "wy")
+STAGES = ("wy_prep", "intra", "state", "chunk", "wy", "wy_decay")
 _OVERRIDES: dict[str, dict] = {}
 
 
@@ -36,9 +36,9 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
             bv = 16          # the module docstring's tile rule
         # one pipeline stage at K=256, as the forward state pass (shared memory, H200)
         return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 2 if pk <= 128 else 1}
-    if stage in ("chunk", "wy"):
+    if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
-    if stage == "wy_prep":
+    if stage in ("wy_prep", "wy_decay"):
         return {"BK": 64, "num_warps": 4, "num_stages": 2}
     raise ValueError(f"stage: unknown backward stage {stage!r}")
 
