@@ -43,9 +43,14 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         bv = min(pv, 64 if pk <= 128 else 16)
         while bv > 16 and N * HV * -(-V // bv) < SM_COUNT_H200 // 2:
             bv //= 2
-        # K = 256 with per-channel decay streams k and a float32 [BT, K] decay tile: three
-        # pipeline stages of those overflow Hopper's 227 KiB (gla, K=V=256, H200)
-        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 3 if pk <= 128 else 1}
+        # Each pipeline stage streams whole key rows (plus, with per-channel decay, a float32
+        # [BT, K] decay tile): past 256 bytes per key row three stages overflow Hopper's 227 KiB
+        # (gla bf16 K=256: 232 KiB on the H200; kda fp32 K=128: 237 KiB compiled for sm_90 with
+        # Triton 3.6). Two stages fit up to 512 bytes per row (kda: 137 KiB fp32 K=128, 107 KiB
+        # bf16 K=256), one beyond (kda fp32 K=256: 69 KiB).
+        row_bytes = pk * torch.empty((), dtype=dtype).element_size()
+        stages = 3 if row_bytes <= 256 else 2 if row_bytes <= 512 else 1
+        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": stages}
     if stage == "output":
         # BV >= 64: BK=64 with BV=32 gave wrong outputs (K=64, V=32, bf16) under Triton 3.6 on Hopper
         return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
