@@ -46,7 +46,9 @@ def _check_grads(name, options, chunk_size=64, **shape):
     ("gated_delta_rule", FUSED),
     ("simple_gla", {}),
     ("delta_rule", {"use_qk_l2norm_in_kernel": True}),
-], ids=["gdn", "gdn-fused", "simple_gla", "delta_rule-l2norm"])
+    ("gla", {}),
+    ("kda", {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}),
+], ids=["gdn", "gdn-fused", "simple_gla", "delta_rule-l2norm", "gla", "kda-fused"])
 def test_backward_bf16_realistic(name, options):
     _check_grads(name, options, B=2, T=2048, H=4, HV=8, K=128, V=128)
 
