@@ -64,6 +64,10 @@ def cmd_show(args) -> int:
     print(f"spec {spec.name} (hash {spec.hash}) backend={plan.backend}")
     for stage in plan.stages:
         print(f"  stage {stage.name:<7} {stage.kernel:<22} {stage.purpose}")
+    print(f"backward backend={plan.backward_backend}"
+          + (f" ({plan.backward_reason})" if plan.backward_backend != "triton" and plan.backward_reason else ""))
+    for stage in plan.backward_stages:
+        print(f"  stage {stage.name:<7} {stage.kernel:<22} {stage.purpose}")
     for key, value in plan.exprs.items():
         print(f"  expr {key:<20} {value}")
     return 0

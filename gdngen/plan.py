@@ -55,7 +55,7 @@ STAGES = {
     "gates": Stage("gates", "stages/gates.py.j2", "_gates_fwd_kernel",
                    "activate the gates; chunk-local cumsum of the log-decay"),
     "wy": Stage("wy", "stages/wy.py.j2", "_wy_fwd_kernel_bt<BT>",
-                "A = beta K K^T * decay, T = (I + A)^-1, W and U (delta rule)"),
+                "A = beta K K^T * decay, T = (I + A)^-1 (W and U too when store_wu)"),
     "state": Stage("state", "stages/state.py.j2", "_state_fwd_kernel",
                    "sequential pass over chunks: chunk-start states, final state, V_new"),
     "output": Stage("output", "stages/output.py.j2", "_output_fwd_kernel",
