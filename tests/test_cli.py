@@ -6,6 +6,7 @@ import yaml
 
 from gdngen.cli import main
 from gdngen.render import GENERATED, ROOT, render_module
+from gdngen.plan import build_plan
 from gdngen.spec import catalogue, load_spec
 
 CATALOGUE = [p.stem for p in catalogue()]
@@ -27,8 +28,12 @@ def test_show_prints_stages_and_expressions(capsys):
     out = capsys.readouterr().out
     spec = load_spec(ROOT / "specs" / "gated_delta_rule.yaml")
     assert spec.hash in out
-    stages = [line.split()[1] for line in out.splitlines() if line.strip().startswith("stage ")]
+    forward, backward = out.split("backward backend=")
+    stages = [line.split()[1] for line in forward.splitlines() if line.strip().startswith("stage ")]
     assert stages == ["l2norm", "gates", "wy", "state", "output", "recurrent"]
+    assert backward.startswith("triton")
+    bwd_stages = [line.split()[1] for line in backward.splitlines() if line.strip().startswith("stage ")]
+    assert [s.name for s in build_plan(spec).backward_stages] == bwd_stages and "state" in bwd_stages
     assert "tl.exp(b_g[:, None] - b_g[None, :])" in out
 
 
