@@ -89,7 +89,31 @@ def _import_generated(spec, out_dir: str | None):
     return importlib.import_module(f"generated.{spec.name}")
 
 
+def cmd_compile_sm90(args) -> int:
+    """Compile every launched kernel for sm_90 (no GPU): shared memory, registers, spills."""
+    from gdngen import compilecheck
+    reason = compilecheck.unavailable_reason()
+    if reason:
+        print(f"gdngen check --compile-sm90: {reason}", file=sys.stderr)
+        return 2
+    names = [load_spec(p).name for p in _spec_paths(args.specs)]
+    dtypes = args.dtypes.split(",") if args.dtypes else list(compilecheck.DTYPES)
+    chunks = [int(x) for x in args.chunk_sizes.split(",")] if args.chunk_sizes else list(compilecheck.CHUNK_SIZES)
+    rows = compilecheck.check(names, compilecheck.shapes(dtypes, chunk_sizes=chunks),
+                              progress=lambda label: sys.stderr.write(f"compiled {label}\n"))
+    print(compilecheck.format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    fails = [r for r in rows if r["status"] == "fail"]
+    warns = [r for r in rows if r["status"] == "warn"]
+    print(f"compile check (sm_90, shared limit {compilecheck.SHARED_LIMIT} B): {len(rows)} launches, "
+          f"{len(fails)} fail, {len(warns)} spill")
+    return 1 if fails else 0
+
+
 def cmd_check(args) -> int:
+    if args.compile_sm90:
+        return cmd_compile_sm90(args)
     from gdngen.render import is_stale
     paths = _spec_paths(args.specs)
     stale = [p for p in paths if is_stale(p, args.out)]
@@ -243,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("specs", nargs="*")
     p.add_argument("--stale", action="store_true", help="only check that generated/ matches a fresh render")
     p.add_argument("--out", default=None)
+    p.add_argument("--compile-sm90", action="store_true",
+                   help="instead: compile every launched kernel for sm_90 without a GPU (gdngen.compilecheck); "
+                        "fails on shared memory past Hopper's limit, reports registers and spills")
+    p.add_argument("--dtypes", default=None, help="with --compile-sm90: comma-separated subset of bf16,fp16,fp32")
+    p.add_argument("--chunk-sizes", default=None, help="with --compile-sm90: comma-separated subset of 16,32,64")
+    p.add_argument("--json", default=None, help="with --compile-sm90: also write the rows to this JSON file")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="gdngen vs FLA, FlashQLA and SDPA: rows to JSON, a table and a PNG")
     p.add_argument("spec", nargs="?", default="gated_delta_rule")
