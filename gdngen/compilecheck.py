@@ -167,7 +167,7 @@ def capture(spec, module, shape: Shape) -> list[tuple[str, Launch]]:
         if "use_gate_in_kernel" in params and "A_log" in inputs:
             extra["use_gate_in_kernel"] = True
         if options.get("feature_map") == "random_features":
-            extra["feature_projection"] = torch.randn(2 * shape.K, shape.K)
+            extra["feature_projection"] = torch.randn(shape.K, shape.K)
         with _recording(module) as launches:
             o, final_state = chunk(**inputs, **options, **extra, chunk_size=shape.BT)
         found += [("fwd", x) for x in launches]
@@ -185,7 +185,7 @@ def capture(spec, module, shape: Shape) -> list[tuple[str, Launch]]:
             if "use_gate_in_kernel" in params and "A_log" in inputs:
                 options = dict(options, use_gate_in_kernel=True)
             if options.get("feature_map") == "random_features":
-                options = dict(options, feature_projection=torch.randn(2 * shape.K, shape.K))
+                options = dict(options, feature_projection=torch.randn(shape.K, shape.K))
             inputs = {k: v for k, v in inputs.items() if k in params}
             with _recording(module) as launches:
                 recurrent(**inputs, **options)
