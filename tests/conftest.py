@@ -11,6 +11,12 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("GDNGEN_RUN_SLOW") != "1":
+        # minutes of CPU each (e.g. compiling every kernel for sm_90): opt in with GDNGEN_RUN_SLOW=1
+        slow = pytest.mark.skip(reason="slow: set GDNGEN_RUN_SLOW=1 to run")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu tier runs on the H200 through the device tool)")
