@@ -167,7 +167,7 @@ def _feature_map_exprs(spec: Spec) -> dict:
 
 BACKWARD_STAGES = {
     "wy_prep": Stage("wy_prep", "stages/backward_wy.py.j2", "_wy_bwd_prep_kernel",
-                     "recompute T = (I + A)^-1 and W = T diag(beta) (K * key_w_decay) per chunk (delta rule)"),
+                     "W = T diag(beta) (K * key_w_decay) per chunk from the forward pass's float32 T (delta rule)"),
     "state": Stage("state", "stages/backward_state.py.j2", "_state_bwd_kernel",
                    "reverse pass over chunks: dh (gradient on each chunk's end state), dh0, and the "
                    "gradient of the values (v, or V_new for the delta rule)"),
