@@ -20,12 +20,13 @@ import time
 os.environ.setdefault("FLA_FLASH_QLA", "0")   # time FLA's own Triton path
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from gdngen import reference
 from gdngen.selfcheck import rel_rmse
 from gdngen.spec import load_spec
+
+from bench_prefill import inputs as forward_inputs   # the same q, k, v, g, beta as the forward benchmark
 
 CASES = [(1, 32768, 32, 32), (4, 8192, 16, 32)]
 SMALL_CASES = [(1, 4096, 16, 32)]
@@ -46,13 +47,10 @@ def log(row: dict) -> None:
 
 
 def inputs(B, T, H, HV, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, T, H, K, device="cuda", generator=gen).to(dtype)
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).to(dtype)
-    v = torch.randn(B, T, HV, V, device="cuda", generator=gen).to(dtype)
-    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 2.0)
-    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=gen))
-    do = torch.randn(B, T, HV, V, device="cuda", generator=gen).to(dtype)
+    """The forward benchmark's inputs, as leaves that want gradients, and an output gradient."""
+    q, k, v, g, beta = forward_inputs(B, T, H, HV, dtype=dtype, seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    do = torch.randn(v.shape, device="cuda", generator=gen).to(dtype)
     return [x.requires_grad_(True) for x in (q, k, v, g, beta)], do
 
 
