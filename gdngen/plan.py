@@ -171,9 +171,9 @@ BACKWARD_STAGES = {
     "state": Stage("state", "stages/backward_state.py.j2", "_state_bwd_kernel",
                    "reverse pass over chunks: dh (gradient on each chunk's end state), dh0, and the "
                    "gradient of the values (v, or V_new for the delta rule)"),
-    "intra": Stage("intra", "stages/backward_intra.py.j2", "_intra_bwd_kernel_bt<BT>",
-                   "vector decay: the chunk-local part of the values' gradient, scale (P * causal)^T dO, "
-                   "scores on 16-row blocks"),
+    "intra": Stage("intra", "stages/backward_intra.py.j2", "_intra_bwd_kernel",
+                   "the chunk-local part of the values' gradient, scale (P * causal)^T dO, chunk-parallel "
+                   "(vector decay: scores on 16-row blocks)"),
     "chunk": Stage("chunk", "stages/backward_chunk.py.j2", "_chunk_bwd_kernel",
                    "chunk-parallel dq, dk, dW and the log-decay cumsum gradient from h, dh, dO"),
     "wy": Stage("wy", "stages/backward_wy.py.j2", "_wy_bwd_kernel",
@@ -191,7 +191,7 @@ BACKWARD_STAGES = {
 def _backward_plan(spec: Spec, alg) -> tuple:
     """(backend, stages, reason, printed expressions) of the chunk backward for ``spec``."""
     t = spec.transition
-    names = (["wy_prep"] if t.delta else []) + (["intra"] if alg.per_channel else []) + ["state", "chunk"]
+    names = (["wy_prep"] if t.delta else []) + ["intra", "state", "chunk"]
     names += (["wy"] + (["wy_decay"] if alg.per_channel else [])) if t.delta else []
     names += ["gates"] + (["l2norm"] if spec.qk_l2norm else [])
     d = algebra.gate_derivatives()
@@ -206,7 +206,7 @@ def _backward_plan(spec: Spec, alg) -> tuple:
     stages = tuple(BACKWARD_STAGES[n] for n in names)
     if alg.per_channel:
         # block-unrolled over 16-row sub-blocks: one kernel per chunk size
-        stages = tuple(Stage(s.name, s.template, f"{s.kernel}_bt<BT>", s.purpose) if s.name == "chunk" else s
+        stages = tuple(Stage(s.name, s.template, f"{s.kernel}_bt<BT>", s.purpose) if s.name in ("chunk", "intra") else s
                        for s in stages)
     return ("triton", stages, "", exprs)
 

@@ -200,13 +200,14 @@ def test_backward_multi_tile_layouts_with_partial_tiles():
         return config
 
     with bt.override_backward("chunk", BK=16, BV=16), bt.override_backward("wy", BK=16, BV=16), \
+            bt.override_backward("intra", BK=16, BV=16), \
             bt.override_backward("wy_prep", BK=16), bt.override_backward("state", BV=16), \
             mock.patch.object(module, "backward_tiles", side_effect=recording):
         got, want = _grads("gated_delta_rule", B=1, T=36, H=1, HV=2, K=40, V=36, chunk_size=16,
                            options=dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True))
     tiles = {stage: (config, shape) for stage, config, shape in seen}
-    assert set(tiles) == {"wy_prep", "state", "chunk", "wy"}
-    for stage in ("chunk", "wy"):
+    assert set(tiles) == {"wy_prep", "intra", "state", "chunk", "wy"}
+    for stage in ("chunk", "wy", "intra"):
         config, shape = tiles[stage]
         assert -(-shape["K"] // config["BK"]) == 3 and shape["K"] % config["BK"], stage
         assert -(-shape["V"] // config["BV"]) == 3 and shape["V"] % config["BV"], stage

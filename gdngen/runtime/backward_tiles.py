@@ -34,8 +34,10 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
             bv //= 2
         if bv == 32 and BT >= 64:
             bv = 16          # the module docstring's tile rule
-        # one pipeline stage at K=256, as the forward state pass (shared memory, H200)
-        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 2 if pk <= 128 else 1}
+        # never one pipeline stage: num_stages=1 gave illegal memory accesses on the H200 (Triton
+        # 3.6) at K=128 (tile sweep) and K=256 (the default there until then); with the scores
+        # moved to the intra stage two stages fit at K=256 (88 KiB, gdngen check --compile-sm90)
+        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 2}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):
