@@ -5,8 +5,8 @@ that comes out of a 64-wide product in the same kernel. The forward output stage
 with BV=32 next to its [BT=64, 64] Q K^T (gdngen.autotune.space.KNOWN_BAD); the backward chunk
 and wy stages at K=20 (BK=32 beside the [64, 64] dS and dA) gave wrong dk and dg while every
 gradient that avoids that path was right. Hence the chunk and wy tiles never go below 64 (a K or V
-below 64 is masked, not tiled narrower), and the state pass skips BV=32 at BT=64 (its
-(P * causal)^T feeds the [BT, BV] dvals product). BV=16 beside BT=64 is GPU-tested (K=V=128).
+below 64 is masked, not tiled narrower). The reverse state pass holds no [BT, BT] product since
+the intra stage took the scores over, so any BV is allowed there.
 """
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         bv = min(pv, 64 if pk <= 128 else 16)
         while bv > 16 and N * HV * -(-V // bv) < SM_COUNT_H200 // 2:
             bv //= 2
-        if bv == 32 and BT >= 64:
-            bv = 16          # the module docstring's tile rule
         # never one pipeline stage: num_stages=1 gave illegal memory accesses on the H200 (Triton
         # 3.6) at K=128 (tile sweep) and K=256 (the default there until then); with the scores
-        # moved to the intra stage two stages fit at K=256 (88 KiB, gdngen check --compile-sm90)
-        return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": 2}
+        # moved to the intra stage two stages fit at K=256 (88 KiB, gdngen check --compile-sm90).
+        # Eight warps from BV=32 up: (1,32768,32,32) fwd+bwd 8.36 ms at BV=32/8 warps vs 8.57 at
+        # BV=16/4 warps, and 8.58 vs 9.30 ms at BV=64 (benchmarks/profile_backward.py, NOTES.md).
+        return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": 2}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):
@@ -56,6 +56,9 @@ def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtyp
     if stage == "state" and config["BK"] < K:
         # the reverse state pass holds all K rows of its slice: a narrower BK would drop rows
         raise ValueError(f"BK: the state stage needs BK >= K ({K}), got {config['BK']}")
+    if stage == "state" and config["num_stages"] < 2:
+        raise ValueError("num_stages: the state stage needs >= 2 (one stage gave illegal memory "
+                         f"accesses on the H200), got {config['num_stages']}")
     return config
 
 

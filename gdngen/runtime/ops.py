@@ -64,3 +64,21 @@ def fake_grads(inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool]) 
     """Shapes and dtypes of :func:`reference_grads`' result, for the backward op's fake kernel."""
     like = next(x for x in inputs if x is not None)
     return [torch.empty_like(x) if need else absent(like) for x, need in zip(inputs, needs)]
+
+
+def sum_head_groups(x: torch.Tensor, H: int) -> torch.Tensor:
+    """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``: each query/key head's HV // H value
+    heads summed in a fixed order (deterministic, no atomics).
+
+    Elementwise adds of strided views, accumulated in float32 beyond two terms: on the H200 the
+    generic ``view(..., G, K).sum(3)`` reduction ran at about a third of the memory bandwidth
+    (0.27 ms per call at (4, 8192, 16, 32), bf16 - benchmarks/NOTES.md).
+    """
+    B, T, HV, K = x.shape
+    groups = x.view(B, T, H, HV // H, K)
+    if HV // H == 2:
+        return torch.add(groups[:, :, :, 0], groups[:, :, :, 1])   # one rounding, as a float32 sum
+    total = groups[:, :, :, 0].float()
+    for i in range(1, HV // H):
+        total += groups[:, :, :, i]
+    return total.to(x.dtype)
