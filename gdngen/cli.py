@@ -231,6 +231,8 @@ def cmd_tune(args) -> int:
     try:
         shapes = [ShapeCase.parse(t, dtype) for t in texts]
         stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+        if args.backward:
+            stages = (stages or ["fwd"]) + ["bwd"]
         chunks = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else None
         if args.interpret:
             chunks = chunks or [spec.chunk.default if spec.chunk.default in spec.chunk.sizes else spec.chunk.sizes[0]]
@@ -295,7 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("tune", help="autotune launch configs on this GPU into the per-device cache")
     p.add_argument("spec")
     p.add_argument("--shapes", nargs="+", metavar="B,T,H,HV,K,V", help="shapes to tune (one per shape class)")
-    p.add_argument("--stages", default=None, help="comma-separated subset of wy,state,output (default all)")
+    p.add_argument("--stages", default=None,
+                   help="comma-separated stages to tune (default fwd): forward wy,state,output; backward "
+                        "wy_prep_bwd,intra_bwd,state_bwd,chunk_bwd,wy_bwd,wy_decay_bwd (timed as a forward + "
+                        "backward step, every gradient checked first); or the groups fwd, bwd, all. "
+                        "Stages the spec does not launch are skipped")
+    p.add_argument("--backward", action="store_true",
+                   help="also tune every backward stage (the same as adding bwd to --stages)")
     p.add_argument("--chunk-sizes", default=None, help="comma-separated subset of the spec's chunk sizes")
     p.add_argument("--dtype", default=None, help="input dtype: bf16 (GPU default), fp16, fp32")
     p.add_argument("--max-candidates", type=int, default=None, help="candidates per stage nearest the default, default included "

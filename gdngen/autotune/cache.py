@@ -9,8 +9,11 @@ have the same readable layout::
                  {"config": {"BK": 128, "BV": 64, "num_warps": 4, "num_stages": 3},
                   "spec_hash": "21f8afa1ca95e115", "triton": "3.6.0", "ms": 1.61, "default_ms": 1.69, ...}}}
 
-An entry is keyed by spec name, stage and *shape class*: what changes the compiled code (H, HV, K,
-V, dtype, chunk size) plus two coarse buckets - how many (sequence, value head) programs there are
+An entry is keyed by spec name, stage and *shape class*. The stage is a forward stage (``wy``,
+``state``, ``output``), a backward one with a ``_bwd`` suffix (``wy_prep_bwd``, ``intra_bwd``,
+``state_bwd``, ``chunk_bwd``, ``wy_bwd``, ``wy_decay_bwd``: read by ``backward_tiles``), or chunk-size
+advice (``chunk``: fastest forward, ``chunk_train``: fastest forward + backward). The shape class
+is what changes the compiled code (H, HV, K, V, dtype, chunk size) plus two coarse buckets - how many (sequence, value head) programs there are
 relative to the SM count, and whether sequences are short (T <= 4096) or long. Never the exact
 sequence length. Device name, compute capability, triton version and spec hash are checked on
 read: a file or entry made elsewhere is ignored with one warning, never used, never a crash.
@@ -30,10 +33,11 @@ from typing import Optional
 import torch
 
 from gdngen.autotune.device import DeviceInfo, current_device
-from gdngen.autotune.space import STAGES, excluded, is_valid
+from gdngen.autotune.space import STAGES, config_keys, excluded, is_valid
 
 FORMAT = 1
 SHORT_T = 4096
+ADVICE_STAGES = ("chunk", "chunk_train")     # chunk-size advice: forward, forward + backward
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 CONFIG_KEYS = ("BK", "BV", "num_warps", "num_stages")
 
@@ -263,11 +267,11 @@ def _usable(table: _Table, key: str, entry: dict, *, spec_name: str, stage: str,
                    "across versions: rerun `gdngen tune`)")
         return False
     config = dict(entry["config"])
-    if stage == "chunk":
+    if stage in ADVICE_STAGES:
         ok = set(config) == {"chunk_size"}
     else:
-        wanted = set(CONFIG_KEYS) - ({"BV"} if stage == "wy" else set())   # the wy stage has no V tile
-        ok = (set(config) == wanted and is_valid(stage, config, K=K, V=V)
+        # no V tile in wy, wy_prep_bwd, wy_decay_bwd; is_valid holds the backward's hard rules
+        ok = (set(config) == set(config_keys(stage)) and is_valid(stage, config, K=K, V=V)
               and excluded(stage, config, {"K": K, "V": V, "BT": BT, "dtype": dtype}) is None)
     if not ok:
         _warn_once(("invalid", where, key), f"gdngen: tile cache {table.path} entry {key} holds "
@@ -315,12 +319,13 @@ def lookup(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: i
 
 def chunk_size_hint(spec_name: str, *, K: int, V: int, N: int, HV: int, dtype, H: Optional[int] = None,
                     T: Optional[int] = None, device: Optional[DeviceInfo] = None,
-                    directory: Optional[str | os.PathLike] = None) -> Optional[int]:
+                    directory: Optional[str | os.PathLike] = None, training: bool = False) -> Optional[int]:
     """The chunk size the tuner found fastest for this shape class (None when not tuned).
 
-    The generated functions take ``chunk_size`` from the caller; this is advice for the caller."""
-    found = lookup(spec_name, "chunk", K=K, V=V, BT=0, N=N, HV=HV, dtype=dtype, H=H, T=T,
-                   device=device, directory=directory)
+    The generated functions take ``chunk_size`` from the caller; this is advice for the caller.
+    ``training=True``: the fastest forward + backward (tuned with backward stages), else forward."""
+    found = lookup(spec_name, "chunk_train" if training else "chunk", K=K, V=V, BT=0, N=N, HV=HV, dtype=dtype,
+                   H=H, T=T, device=device, directory=directory)
     return found["chunk_size"] if found else None
 
 
@@ -353,6 +358,6 @@ def make_entry(config: dict, *, spec_hash: str, **extra) -> dict:
     return entry
 
 
-__all__ = ["CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo", "entry_key",
-           "lookup", "make_entry", "par_bucket", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
+__all__ = ["ADVICE_STAGES", "CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo",
+           "entry_key", "lookup", "make_entry", "par_bucket", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
            "user_cache_path", "write_entries", "STAGES"]

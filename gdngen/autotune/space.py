@@ -23,6 +23,26 @@ Shared memory per program = num_stages * (operand bytes streamed per loop step) 
   output  streamed q, k [BT, BK] and h [BK, BV]; resident A [BT, BT] and V_new [BT, BV]
 (element size of the input dtype) must fit the device's shared memory per block
 (:data:`gdngen.autotune.device.SMEM_PER_BLOCK`, 227 KiB on H100/H200, 48 KiB when unknown).
+
+Backward stages (the generated chunk backward, ``gdngen.runtime.backward_tiles``) are named with a
+``_bwd`` suffix here and in the cache (``state_bwd`` is the reverse state pass, ``state`` the
+forward one): wy_prep_bwd, intra_bwd, state_bwd, chunk_bwd, wy_bwd, and wy_decay_bwd (vector
+decay + delta rule only). Their hard rules (backward_tiles.py) shape the space, never pruned away
+by a cache either: the state pass keeps the whole K extent (BK = pow2(K)) and never runs with one
+pipeline stage (illegal accesses on the H200); the intra, chunk and wy stages never take a tile
+below 64 (the Hopper miscompile: no [*, 32] product beside a 64-wide one). Only kernels with a
+runtime loop (state_bwd over chunks, the scalar-decay intra_bwd over key tiles) get num_stages
+variants: the others loop with tl.static_range (unrolled, nothing for the pipeliner), so their
+num_stages stays the default's. Estimates, per program (``+ 256 BK`` with per-channel decay: the
+[16, 16, BK] diagonal-block products of the 16-row sub-block kernels):
+  registers                                       shared (streamed x num_stages + resident)
+  wy_prep_bwd   T [BT, BT], W tile [BT, BK]         2 [BT, BK];             T
+  intra_bwd     P [BT, BT], dv [BT, BV] (+256 BK)   q, k [BT, BK];          P, dO [BT, BV]
+  state_bwd     dh [BK, BV], dv and dO [BT, BV]     [BT, BK] + [BT, BV];    dh, a [BT, BK] operand
+  chunk_bwd     dq dk dw [BT, BK], dS, <h, dh>      h, dh [BK, BV], 3 [BT, BV]; dS, q, k
+  wy_bwd        T, dRR, KK [BT, BT], dR [BT, BK]    2 [BT, BK] + 2 [BT, BV]; T, dRR
+  wy_decay_bwd  dA blocks, 5 [BT, BK] (+256 BK)     2 [BT, BK];             dA
+Deliberately rough: the tuner checks and times what survives, and rejects what fails to compile.
 """
 from __future__ import annotations
 
@@ -36,11 +56,61 @@ import torch
 from gdngen.autotune.device import DeviceInfo, SMEM_FALLBACK
 
 STAGES = ("wy", "state", "output")
+# backward stages in launch order; the runtime (backward_tiles) names them without the suffix
+BACKWARD_SUFFIX = "_bwd"
+BACKWARD_STAGES = ("wy_prep_bwd", "intra_bwd", "state_bwd", "chunk_bwd", "wy_bwd", "wy_decay_bwd")
+ALL_STAGES = STAGES + BACKWARD_STAGES
+# words `gdngen tune --stages` (and tune(stages=...)) accept for a whole phase
+STAGE_GROUPS = {"fwd": STAGES, "forward": STAGES, "bwd": BACKWARD_STAGES, "backward": BACKWARD_STAGES,
+                "all": ALL_STAGES}
 WARPS = (2, 4, 8)
 PIPELINE_STAGES = (1, 2, 3, 4)
 MIN_TILE = 16
+# the intra, chunk and wy backward stages never tile below 64 (backward_tiles.py: Triton 3.6 on
+# Hopper gave wrong dk / dg with a 32-wide tile beside the 64-wide dS and dA products)
+BACKWARD_WIDE_STAGES = ("intra_bwd", "chunk_bwd", "wy_bwd")
+BACKWARD_MIN_WIDE_TILE = 64
+_NO_V_TILE = ("wy", "wy_prep_bwd", "wy_decay_bwd")
+# backward kernels with a runtime loop (the others only use tl.static_range: num_stages is moot)
+_BACKWARD_PIPELINED = ("state_bwd", "intra_bwd")
 REG_LIMIT = 255
 REG_OVERHEAD = 32          # addresses, masks, loop counters, gate vectors
+
+
+def is_backward(stage: str) -> bool:
+    return stage in BACKWARD_STAGES
+
+
+def runtime_stage(stage: str) -> str:
+    """The name the runtime gives a stage: ``state_bwd`` -> ``state`` (backward_tiles); forward as is."""
+    return stage[:-len(BACKWARD_SUFFIX)] if is_backward(stage) else stage
+
+
+def has_v_tile(stage: str) -> bool:
+    return stage not in _NO_V_TILE
+
+
+def config_keys(stage: str) -> tuple:
+    """The launch parameters a stage's config holds (no BV for wy, wy_prep_bwd, wy_decay_bwd)."""
+    return ("BK", "BV", "num_warps", "num_stages") if has_v_tile(stage) else ("BK", "num_warps", "num_stages")
+
+
+def expand_stages(names) -> list[str]:
+    """Stage names and group words (fwd, bwd, all) -> stage names in launch order; ValueError on
+    anything unknown."""
+    wanted, unknown = set(), []
+    for name in names:
+        name = name.strip()
+        if name in STAGE_GROUPS:
+            wanted.update(STAGE_GROUPS[name])
+        elif name in ALL_STAGES:
+            wanted.add(name)
+        elif name:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"stages: unknown {unknown}, expected some of {list(ALL_STAGES)} "
+                         f"or {sorted(set(STAGE_GROUPS))}")
+    return [s for s in ALL_STAGES if s in wanted]
 
 
 def _pow2(n: int) -> int:
@@ -95,8 +165,9 @@ def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def regs_per_thread(stage: str, config: dict, *, BT: int) -> int:
+def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = False) -> int:
     BK, BV = config["BK"], config.get("BV", 0)
+    blocks = 256 * BK if per_channel else 0        # a [16, 16, BK] diagonal-block product
     if stage == "wy":
         nb = BT // 16
         live = nb * (nb + 1) * 256 + BT * BK
@@ -104,6 +175,18 @@ def regs_per_thread(stage: str, config: dict, *, BT: int) -> int:
         live = BK * BV + BT * BV
     elif stage == "output":
         live = BT * BV + BT * BT
+    elif stage == "wy_prep_bwd":
+        live = BT * BT + BT * BK
+    elif stage == "intra_bwd":
+        live = BT * BT + BT * BV + blocks
+    elif stage == "state_bwd":
+        live = BK * BV + 2 * BT * BV
+    elif stage == "chunk_bwd":
+        live = 3 * BT * BK + BT * BT + BK * BV + blocks
+    elif stage == "wy_bwd":
+        live = 3 * BT * BT + BT * BK
+    elif stage == "wy_decay_bwd":
+        live = BT * BT // 2 + 5 * BT * BK + blocks
     else:
         raise ValueError(f"stage: unknown stage {stage!r}")
     return math.ceil(live / (32 * config["num_warps"])) + REG_OVERHEAD
@@ -117,14 +200,25 @@ def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
         streamed, resident = BT * (BK + BV + BT), BK * BV
     elif stage == "output":
         streamed, resident = 2 * BT * BK + BK * BV, BT * BT + BT * BV
+    elif stage in ("wy_prep_bwd", "wy_decay_bwd"):
+        streamed, resident = 2 * BT * BK, BT * BT
+    elif stage == "intra_bwd":
+        streamed, resident = 2 * BT * BK, BT * BT + BT * BV
+    elif stage == "state_bwd":
+        streamed, resident = BT * (BK + BV), BK * BV + BT * BK
+    elif stage == "chunk_bwd":
+        streamed, resident = 2 * BK * BV + 3 * BT * BV, BT * BT + 2 * BT * BK
+    elif stage == "wy_bwd":
+        streamed, resident = 2 * BT * (BK + BV), 2 * BT * BT
     else:
         raise ValueError(f"stage: unknown stage {stage!r}")
     return (config["num_stages"] * streamed + resident) * e
 
 
-def fits(stage: str, config: dict, *, BT: int, dtype: torch.dtype, device: Optional[DeviceInfo]) -> Optional[str]:
+def fits(stage: str, config: dict, *, BT: int, dtype: torch.dtype, device: Optional[DeviceInfo],
+         per_channel: bool = False) -> Optional[str]:
     """None when the config passes the estimates, else why it does not."""
-    regs = regs_per_thread(stage, config, BT=BT)
+    regs = regs_per_thread(stage, config, BT=BT, per_channel=per_channel)
     if regs > REG_LIMIT:
         return f"~{regs} registers/thread > {REG_LIMIT}"
     smem, limit = smem_bytes(stage, config, BT=BT, dtype=dtype), (device.smem if device else SMEM_FALLBACK)
@@ -133,8 +227,38 @@ def fits(stage: str, config: dict, *, BT: int, dtype: torch.dtype, device: Optio
     return None
 
 
+def backward_problem(stage: str, config, *, K: int, V: int) -> Optional[str]:
+    """None when ``config`` is a launchable, safe config of backward ``stage`` (``state_bwd`` ...)
+    for this head-dim pair, else what is wrong (the hard rules of backward_tiles.py)."""
+    if not isinstance(config, dict) or set(config) != set(config_keys(stage)):
+        return f"keys {sorted(config) if isinstance(config, dict) else config!r}, expected {list(config_keys(stage))}"
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in config.values()):
+        return "every value must be an integer"
+    floor = BACKWARD_MIN_WIDE_TILE if stage in BACKWARD_WIDE_STAGES else MIN_TILE
+    for key, dim in (("BK", K), ("BV", V)):
+        tile = config.get(key)
+        if tile is None:
+            continue
+        if tile < MIN_TILE or tile & (tile - 1):
+            return f"{key}={tile}: a power of two >= {MIN_TILE} is needed"
+        if tile < floor:
+            return (f"{key}={tile}: the {stage} stage never tiles below {floor} (Hopper miscompile beside "
+                    "the 64-wide products)")
+        if tile > max(128, _pow2(dim)):
+            return f"{key}={tile}: past the padded head dim {_pow2(dim)}"
+    if stage == "state_bwd" and config["BK"] != max(MIN_TILE, _pow2(K)):
+        return f"BK={config['BK']}: the state stage keeps the whole K extent ({max(MIN_TILE, _pow2(K))})"
+    if stage == "state_bwd" and config["num_stages"] < 2:
+        return "num_stages=1: the state stage needs >= 2 (illegal memory accesses on the H200)"
+    if config["num_warps"] not in (1, 2, 4, 8, 16) or not 1 <= config["num_stages"] <= 8:
+        return f"num_warps={config['num_warps']} / num_stages={config['num_stages']} out of range"
+    return None
+
+
 def is_valid(stage: str, config: dict, *, K: int, V: int) -> bool:
     """Structurally launchable for this head-dim pair (used on configs read from a cache too)."""
+    if is_backward(stage):
+        return backward_problem(stage, config, K=K, V=V) is None
     try:
         BK, w, s = config["BK"], config["num_warps"], config["num_stages"]
         BV = None if stage == "wy" else config["BV"]       # the wy stage has no V tile
@@ -158,6 +282,22 @@ def stages_for(spec) -> list[str]:
     return [s for s in STAGES if s != "wy" or spec.transition.delta]
 
 
+def per_channel(spec) -> bool:
+    """Whether the spec's decay is per key channel (its kernels work on 16-row sub-blocks)."""
+    return spec.transition.decay == "vector"
+
+
+def backward_stages_for(spec) -> list[str]:
+    """Backward stages a spec's generated chunk backward launches with backward_tiles() (none when
+    its backward is not generated Triton code)."""
+    from gdngen.plan import build_plan          # sympy: only when a backward is tuned
+    plan = build_plan(spec)
+    if plan.backward_backend != "triton":
+        return []
+    names = {s.name + BACKWARD_SUFFIX for s in plan.backward_stages}
+    return [s for s in BACKWARD_STAGES if s in names]
+
+
 def chunk_sizes(spec) -> list[int]:
     return list(spec.chunk.sizes)
 
@@ -168,25 +308,53 @@ def _distance(config: dict, default: dict) -> tuple:
     return changed, spread, tuple(config[k] for k in sorted(default))
 
 
+def _axes(stage: str, K: int, V: int, default: dict) -> tuple:
+    """(BK, BV, num_warps, num_stages) values to combine for one stage."""
+    if stage in ("state", "state_bwd"):
+        bks = [max(MIN_TILE, _pow2(K))]                 # the state keeps the whole K extent
+    elif stage in BACKWARD_WIDE_STAGES:
+        bks = [t for t in _tiles_up_to(K) if t >= BACKWARD_MIN_WIDE_TILE] or [BACKWARD_MIN_WIDE_TILE]
+    else:
+        bks = _tiles_up_to(K)
+    if not has_v_tile(stage):
+        bvs = [None]
+    elif stage in BACKWARD_WIDE_STAGES:
+        bvs = [t for t in _tiles_up_to(V) if t >= BACKWARD_MIN_WIDE_TILE] or [BACKWARD_MIN_WIDE_TILE]
+    else:
+        bvs = _tiles_up_to(V)
+    if stage == "state_bwd":
+        pipeline = tuple(s for s in PIPELINE_STAGES if s >= 2)
+    elif is_backward(stage) and stage not in _BACKWARD_PIPELINED:
+        pipeline = (default["num_stages"],)             # static_range loops only: num_stages is moot
+    else:
+        pipeline = PIPELINE_STAGES
+    return bks, bvs, WARPS, pipeline
+
+
 def candidates(stage: str, *, K: int, V: int, BT: int, dtype: torch.dtype, default: dict,
                device: Optional[DeviceInfo] = None, limit: Optional[int] = None,
-               pruned: Optional[list] = None) -> list[dict]:
+               pruned: Optional[list] = None, per_channel: bool = False) -> list[dict]:
     """Configs to try for one stage and shape: the default first, then the pruned space nearest it.
 
     ``limit`` caps the list (default included), keeping the configs closest to the default;
-    ``pruned`` (a list) collects ``(config, reason)`` for everything left out.
+    ``pruned`` (a list) collects ``(config, reason)`` for everything left out. Backward stages
+    (``state_bwd`` ...) take the backward default (``default_backward_tiles``); ``per_channel``
+    (vector decay) adds the 16-row sub-block kernels' [16, 16, BK] products to the estimates.
     """
     shape = {"K": K, "V": V, "BT": BT, "dtype": dtype}
-    bks = [max(MIN_TILE, _pow2(K))] if stage == "state" else _tiles_up_to(K)
     out = []
-    bvs = [None] if stage == "wy" else _tiles_up_to(V)
-    for bk, bv, w, s in itertools.product(bks, bvs, WARPS, PIPELINE_STAGES):
+    for bk, bv, w, s in itertools.product(*_axes(stage, K, V, default)):
         config = {"BK": bk, "num_warps": w, "num_stages": s} if bv is None else \
             {"BK": bk, "BV": bv, "num_warps": w, "num_stages": s}
         if config == default:
             continue
         rule = excluded(stage, config, shape)
-        why = f"known bad: {rule.reason}" if rule else fits(stage, config, BT=BT, dtype=dtype, device=device)
+        if rule:
+            why = f"known bad: {rule.reason}"
+        elif is_backward(stage) and backward_problem(stage, config, K=K, V=V):
+            why = f"hard rule: {backward_problem(stage, config, K=K, V=V)}"
+        else:
+            why = fits(stage, config, BT=BT, dtype=dtype, device=device, per_channel=per_channel)
         if why:
             if pruned is not None:
                 pruned.append((config, why))

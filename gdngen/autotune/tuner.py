@@ -8,6 +8,16 @@ with every freshly allocated tensor poisoned with NaN - are compared with the ba
 is timed; a candidate that is wrong or raises is recorded as rejected and never chosen (some
 configs miscompile under Triton 3.6 on Hopper: benchmarks/NOTES.md). Winners go to the per-device
 cache (``gdngen.autotune.cache``); the chunk size that gave the fastest total is recorded as advice.
+
+Backward stages (``stages`` with ``state_bwd``, ``chunk_bwd``, ... or the group word ``bwd``) are
+tuned the same way after the forward ones, on a forward + backward step: fixed random cotangents
+for ``o`` and the final state, ``torch.autograd.grad`` through the generated backward, the forward
+stages pinned at their best so far and the backward stages pinned by
+:func:`gdngen.runtime.backward_tiles.override_backward`. Every gradient (and ``o``, the final
+state), NaN-poisoned fresh allocations included, is compared with the default backward config's
+before the candidate is timed; the time is of the whole forward + backward step. Winners are
+cached under ``<spec>/<stage>_bwd/<shape class>``, the fastest forward + backward chunk size
+under ``<spec>/chunk_train/...``.
 """
 from __future__ import annotations
 
@@ -25,12 +35,16 @@ import torch
 from gdngen.autotune import cache as _cache
 from gdngen.autotune import space as _space
 from gdngen.autotune.device import DeviceInfo, current_device
+from gdngen.runtime.backward_tiles import default_backward_tiles, override_backward
 from gdngen.runtime.tiles import default_tiles, override, record_stages
 from gdngen.selfcheck import make_inputs, poisoned_memory, rel_rmse
 
 # rel. RMSE against the default config's outputs (and 8x that for the worst element relative to
 # the largest): different accumulation orders stay far inside, a miscompile is O(1) off.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+# gradients pass through more half-precision intermediates (dV_new, dW, dk completed in place) and
+# the decay gradient is a difference of sums: twice the forward's room in half precision
+GRAD_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 INTERPRETER_DEVICE = DeviceInfo("triton-interpreter", (0, 0), sm_count=1, smem_per_block=227 * 1024)
 
 
@@ -94,13 +108,15 @@ class StageResult:
 @dataclass
 class TuneReport:
     results: list = field(default_factory=list)          # StageResult per (shape, BT, stage)
-    chunk_totals: dict = field(default_factory=dict)      # (shape, BT) -> best total ms
-    chunk_winners: dict = field(default_factory=dict)     # shape -> best BT
+    chunk_totals: dict = field(default_factory=dict)      # (shape, BT) -> best forward total ms
+    chunk_winners: dict = field(default_factory=dict)     # shape -> best forward BT
+    train_totals: dict = field(default_factory=dict)      # (shape, BT) -> best forward + backward ms
+    train_chunk_winners: dict = field(default_factory=dict)   # shape -> best forward + backward BT
     cache_path: Optional[str] = None
 
 
-def _wall_timer(fn: Callable, candidate: Candidate, reps: int = 3) -> float:
-    """Median wall-clock ms (the interpreter's smoke mode: says only that it runs)."""
+def _wall_timer(fn: Callable, candidate: Candidate, reps: int = 1) -> float:
+    """Wall-clock ms (the interpreter's smoke mode: says only that it runs)."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -122,29 +138,83 @@ def default_timer(on_gpu: bool) -> Callable:
 
 @contextlib.contextmanager
 def _pinned(spec_name: str, configs: dict):
+    """Pin forward stages (``override``) and backward stages (``override_backward``) at once."""
     with contextlib.ExitStack() as stack:
         for stage, config in configs.items():
-            stack.enter_context(override(spec_name, stage, **config))
+            if _space.is_backward(stage):
+                stack.enter_context(override_backward(_space.runtime_stage(stage), **config))
+            else:
+                stack.enter_context(override(spec_name, stage, **config))
         yield
+
+
+def _compare(name: str, a, e, tol: float) -> Optional[str]:
+    if a is None or e is None:
+        return None if a is e else f"{name} missing"
+    if a.shape != e.shape:
+        return f"{name} shape {tuple(a.shape)} != {tuple(e.shape)}"
+    err = rel_rmse(a, e)
+    if not err <= tol:
+        return f"{name} rel_rmse {err:.2e} > {tol:.0e}"
+    worst = ((a.double() - e.double()).abs().max() / e.double().abs().max().clamp_min(1e-30)).item()
+    if not worst <= 8 * tol:
+        return f"{name} max error {worst:.2e} of max|ref| > {8 * tol:.0e}"
+    return None
 
 
 def check_outputs(got, want, dtype: torch.dtype, tol: Optional[float] = None) -> Optional[str]:
     """None when ``got`` matches the baseline ``want`` (o, final state), else why not."""
     tol = TOLERANCE.get(dtype, 1e-2) if tol is None else tol
     for name, a, e in zip(("o", "final_state"), got, want):
-        if a is None or e is None:
-            if a is not e:
-                return f"{name} missing"
-            continue
-        if a.shape != e.shape:
-            return f"{name} shape {tuple(a.shape)} != {tuple(e.shape)}"
-        err = rel_rmse(a, e)
-        if not err <= tol:
-            return f"{name} rel_rmse {err:.2e} > {tol:.0e}"
-        worst = ((a.double() - e.double()).abs().max() / e.double().abs().max().clamp_min(1e-30)).item()
-        if not worst <= 8 * tol:
-            return f"{name} max error {worst:.2e} of max|ref| > {8 * tol:.0e}"
+        problem = _compare(name, a, e, tol)
+        if problem:
+            return problem
     return None
+
+
+def check_grads(got: dict, want: dict, dtype: torch.dtype, tol: Optional[float] = None) -> Optional[str]:
+    """None when every tensor of a forward + backward step (``{"o": ..., "dq": ...}``) matches the
+    default config's, else why not (the first that does not)."""
+    tol = GRAD_TOLERANCE.get(dtype, 2e-2) if tol is None else tol
+    if set(got) != set(want):
+        return f"tensors {sorted(set(got) ^ set(want))} missing or unexpected"
+    for name in want:
+        problem = _compare(name, got[name], want[name], tol)
+        if problem:
+            return problem
+    return None
+
+
+def cotangents(inputs: dict, seed: int = 0) -> tuple:
+    """Fixed random gradients for ``o`` and the final state of a call on ``inputs``."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    q, v = inputs["q"], inputs["v"]
+    B, T, HV, V = v.shape
+    cu = inputs.get("cu_seqlens")
+    N = B if cu is None else cu.numel() - 1
+    do = torch.randn(B, T, HV, V, generator=gen).to(device=v.device, dtype=v.dtype)
+    dht = torch.randn(N, HV, q.shape[-1], V, generator=gen).to(v.device)
+    return do, dht
+
+
+def make_backward_runner(fn: Callable, grads_out: tuple) -> Callable:
+    """``run(inputs, BT) -> {"o", "final_state", "d<input>"...}``: one forward + backward step of
+    the generated chunk function ``fn`` with the cotangents ``grads_out`` = (dO, dht)."""
+    def run(inputs: dict, BT: int) -> dict:
+        leaves = {n: x.detach().requires_grad_(True) for n, x in inputs.items()
+                  if isinstance(x, torch.Tensor) and x.is_floating_point()}
+        o, ht = fn(**{**inputs, **leaves}, output_final_state=True, chunk_size=BT)
+        grads = torch.autograd.grad((o, ht), tuple(leaves.values()), grads_out, allow_unused=True)
+        out = {"o": o.detach(), "final_state": ht.detach()}
+        out.update({f"d{n}": g for n, g in zip(leaves, grads)})
+        return out
+    return run
+
+
+def _stage_default(stage: str, sizes: dict) -> dict:
+    if _space.is_backward(stage):
+        return default_backward_tiles(_space.runtime_stage(stage), **sizes)
+    return default_tiles(stage, **sizes)
 
 
 def _fatal(exc: BaseException) -> bool:
@@ -166,24 +236,31 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
          stages: Optional[Iterable[str]] = None, chunk_sizes: Optional[Iterable[int]] = None,
          device: Optional[DeviceInfo] = None, cache_dir=None, max_candidates: Optional[int] = None,
          tol: Optional[float] = None, min_gain: float = 0.01, progress=False, write: bool = True,
-         seed: int = 0, runner: Optional[Callable] = None) -> TuneReport:
-    """Tune ``spec``'s generated chunk forward for ``shapes`` and write the winners to the cache.
+         seed: int = 0, runner: Optional[Callable] = None,
+         backward_runner: Optional[Callable] = None) -> TuneReport:
+    """Tune ``spec``'s generated chunk forward (and backward) for ``shapes``; winners to the cache.
 
     Args:
         spec: the Spec (its generated module is ``generated.<name>`` unless ``module`` is given).
         shapes: ShapeCase objects, or ``(B, T, H, HV, K, V)`` tuples (bf16 on a GPU, fp32 otherwise).
         timer: ``timer(fn, candidate) -> ms``; default ``triton.testing.do_bench`` median on CUDA,
-            wall-clock median under the interpreter.
-        stages: subset of the stages the spec launches (default all: wy, state, output).
+            wall-clock under the interpreter.
+        stages: stage names and group words (default ``fwd``): forward wy, state, output; backward
+            wy_prep_bwd, intra_bwd, state_bwd, chunk_bwd, wy_bwd, wy_decay_bwd; ``fwd``, ``bwd``,
+            ``all``. Stages the spec does not launch are skipped.
         chunk_sizes: subset of ``spec.chunk.sizes`` (default all of them).
         device: the DeviceInfo the cache is written for (default: the current GPU; without one,
             a stand-in "triton-interpreter" device - smoke testing only).
         max_candidates: cap per stage, default included (the candidates nearest the default).
-        tol: rel. RMSE tolerance of the check against the default config (default per dtype).
+        tol: rel. RMSE tolerance of the check against the default config (default per dtype:
+            ``TOLERANCE`` for the forward, ``GRAD_TOLERANCE`` for forward + backward steps).
         min_gain: a candidate must beat the default by this fraction to replace it (timing noise).
         progress: True for a bar on stderr, or a ``(i, n, label)`` callable.
         write: write winners to the cache (``cache_dir`` or $GDNGEN_CACHE_DIR or ~/.cache/gdngen).
         runner: ``runner(inputs, BT) -> (o, final_state)``; default calls the generated function.
+        backward_runner: ``backward_runner(inputs, BT) -> {name: tensor}`` for backward stages;
+            default :func:`make_backward_runner` (o, final state and every input's gradient of one
+            forward + backward step with fixed random cotangents).
     """
     if module is None:
         module = importlib.import_module(f"generated.{spec.name}")
@@ -196,80 +273,116 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
     bad = [c for c in chunk_list if c not in spec.chunk.sizes]
     if bad:
         raise ValueError(f"chunk_sizes: {bad} not among spec.chunk.sizes {list(spec.chunk.sizes)}")
-    wanted = list(stages) if stages else list(_space.STAGES)
-    unknown = [s for s in wanted if s not in _space.STAGES]
-    if unknown:
-        raise ValueError(f"stages: unknown {unknown}, expected some of {list(_space.STAGES)}")
+    if isinstance(stages, str):
+        stages = stages.split(",")
+    wanted = _space.expand_stages(stages) if stages else list(_space.STAGES)
+    if not wanted:
+        raise ValueError("stages: none given")
+    fwd_wanted = [s for s in wanted if not _space.is_backward(s)]
+    bwd_wanted = [s for s in wanted if _space.is_backward(s)]
+    bwd_stages = _space.backward_stages_for(spec) if bwd_wanted else []
+    if bwd_wanted and not bwd_stages:
+        raise ValueError(f"stages: {spec.name} has no generated Triton backward; backward stages cannot be tuned")
     cases = [s if isinstance(s, ShapeCase) else
              ShapeCase(*s, dtype=torch.bfloat16 if dev == "cuda" else torch.float32) for s in shapes]
     fn = getattr(module, spec.chunk_function)
+    vector = _space.per_channel(spec)
 
     def default_run(inputs, BT):
         return fn(**inputs, output_final_state=True, chunk_size=BT)
+
+    def stage_candidates(stage, case, BT, sizes):
+        return _space.candidates(stage, K=case.K, V=case.V, BT=BT, dtype=case.dtype,
+                                 default=_stage_default(stage, sizes), device=device, limit=max_candidates,
+                                 per_channel=vector)
 
     run = runner or default_run
     report = TuneReport()
     entries: dict[str, dict] = {}
 
     # a rough count for the progress bar: candidates per stage are only known per shape
-    plan = []
-    for case in cases:
-        for BT in chunk_list:
-            plan.append((case, BT))
+    tunable = [s for s in _space.stages_for(spec) if s in fwd_wanted] + [s for s in bwd_stages if s in bwd_wanted]
     total, counter = 0, [0]
     per_stage_counts = {}
-    for case, BT in plan:
-        sizes = dict(K=case.K, V=case.V, BT=BT, N=case.B, HV=case.HV, dtype=case.dtype)
-        for stage in [s for s in _space.stages_for(spec) if s in wanted]:
-            cands = _space.candidates(stage, K=case.K, V=case.V, BT=BT, dtype=case.dtype,
-                                      default=default_tiles(stage, **sizes), device=device, limit=max_candidates)
-            per_stage_counts[(case, BT, stage)] = cands
-            total += len(cands)
+    for case in cases:
+        for BT in chunk_list:
+            sizes = dict(K=case.K, V=case.V, BT=BT, N=case.B, HV=case.HV, dtype=case.dtype)
+            for stage in tunable:
+                cands = stage_candidates(stage, case, BT, sizes)
+                per_stage_counts[(case, BT, stage)] = cands
+                total += len(cands)
 
     def step(label):
         counter[0] += 1
         tick(min(counter[0], total), max(total, 1), label)
 
+    def tune_one(case, BT, stage, sizes, current, run_fn, inputs, reference, check):
+        configs = per_stage_counts.get((case, BT, stage)) or stage_candidates(stage, case, BT, sizes)
+        result = _tune_stage(spec, case, BT, stage, configs, current, run_fn, inputs, reference,
+                             timer, tol, device, step, min_gain, check=check)
+        report.results.append(result)
+        entries[result.key] = _cache.make_entry(
+            result.winner.config, spec_hash=spec.hash, ms=round(result.winner.ms, 6),
+            default_ms=round(result.default.ms, 6), candidates=len(result.candidates),
+            rejected=len(result.rejected), shape=case.label)
+        return result
+
+    def advice(case, stage, totals):
+        best_bt = min(totals, key=totals.get)
+        key = _cache.entry_key(spec.name, stage, _cache.shape_class(
+            H=case.H, HV=case.HV, K=case.K, V=case.V, dtype=case.dtype, BT=0, N=case.B, T=case.T,
+            sm_count=device.sm_count))
+        entries[key] = _cache.make_entry({"chunk_size": best_bt}, spec_hash=spec.hash, ms=round(totals[best_bt], 6),
+                                         chunk_ms={str(b): round(t, 6) for b, t in totals.items()},
+                                         shape=case.label)
+        return best_bt
+
     try:
         for case in cases:
             inputs = make_inputs(spec, B=case.B, T=case.T, H=case.H, HV=case.HV, K=case.K, V=case.V,
                                  dtype=case.dtype, device=dev, seed=seed)
+            run_bwd = None
+            if bwd_wanted:
+                run_bwd = backward_runner or make_backward_runner(fn, cotangents(inputs, seed))
             for BT in chunk_list:
                 sizes = dict(K=case.K, V=case.V, BT=BT, N=case.B, HV=case.HV, dtype=case.dtype)
-                with record_stages() as seen:
-                    with poisoned_memory():
-                        baseline_configs = {s: default_tiles(s, **sizes) for s in _space.STAGES}
-                        with _pinned(spec.name, baseline_configs):
-                            reference = run(inputs, BT)
-                launched = [s for s in _space.STAGES if s in seen]
-                current = {s: default_tiles(s, **sizes) for s in launched}
-                best_total = None
-                for stage in [s for s in launched if s in wanted]:
-                    configs = per_stage_counts.get((case, BT, stage)) or _space.candidates(
-                        stage, K=case.K, V=case.V, BT=BT, dtype=case.dtype, default=default_tiles(stage, **sizes),
-                        device=device, limit=max_candidates)
-                    result = _tune_stage(spec, case, BT, stage, configs, current, run, inputs, reference,
-                                         timer, tol, device, step, min_gain)
-                    current[stage] = dict(result.winner.config)
-                    best_total = result.winner.ms
-                    report.results.append(result)
-                    entries[result.key] = _cache.make_entry(
-                        result.winner.config, spec_hash=spec.hash, ms=round(result.winner.ms, 6),
-                        default_ms=round(result.default.ms, 6), candidates=len(result.candidates),
-                        rejected=len(result.rejected), shape=case.label)
-                if best_total is not None:
-                    report.chunk_totals[(case, BT)] = best_total
+                fwd_best = {s: default_tiles(s, **sizes) for s in _space.STAGES}
+                if fwd_wanted:
+                    with record_stages() as seen:
+                        with poisoned_memory():
+                            with _pinned(spec.name, fwd_best):
+                                reference = run(inputs, BT)
+                    launched = [s for s in _space.STAGES if s in seen]
+                    current = {s: fwd_best[s] for s in launched}
+                    best_total = None
+                    for stage in [s for s in launched if s in fwd_wanted]:
+                        result = tune_one(case, BT, stage, sizes, current, run, inputs, reference, check_outputs)
+                        current[stage] = fwd_best[stage] = dict(result.winner.config)
+                        best_total = result.winner.ms
+                    if best_total is not None:
+                        report.chunk_totals[(case, BT)] = best_total
+                if bwd_wanted:
+                    # forward stages at their best so far, backward stages at their defaults
+                    bwd_defaults = {s: _stage_default(s, sizes) for s in bwd_stages}
+                    with record_stages() as seen:
+                        with poisoned_memory():
+                            with _pinned(spec.name, {**fwd_best, **bwd_defaults}):
+                                reference = run_bwd(inputs, BT)
+                    launched = [s for s in _space.BACKWARD_STAGES if s in seen and s in bwd_defaults]
+                    current = {**fwd_best, **{s: bwd_defaults[s] for s in launched}}
+                    best_total = None
+                    for stage in [s for s in launched if s in bwd_wanted]:
+                        result = tune_one(case, BT, stage, sizes, current, run_bwd, inputs, reference, check_grads)
+                        current[stage] = dict(result.winner.config)
+                        best_total = result.winner.ms
+                    if best_total is not None:
+                        report.train_totals[(case, BT)] = best_total
             totals = {BT: report.chunk_totals[(case, BT)] for BT in chunk_list if (case, BT) in report.chunk_totals}
             if totals:
-                best_bt = min(totals, key=totals.get)
-                report.chunk_winners[case] = best_bt
-                key = _cache.entry_key(spec.name, "chunk", _cache.shape_class(
-                    H=case.H, HV=case.HV, K=case.K, V=case.V, dtype=case.dtype, BT=0, N=case.B, T=case.T,
-                    sm_count=device.sm_count))
-                entries[key] = _cache.make_entry({"chunk_size": best_bt}, spec_hash=spec.hash,
-                                                 ms=round(totals[best_bt], 6),
-                                                 chunk_ms={str(b): round(t, 6) for b, t in totals.items()},
-                                                 shape=case.label)
+                report.chunk_winners[case] = advice(case, "chunk", totals)
+            totals = {BT: report.train_totals[(case, BT)] for BT in chunk_list if (case, BT) in report.train_totals}
+            if totals:
+                report.train_chunk_winners[case] = advice(case, "chunk_train", totals)
     finally:
         if progress:
             tick(max(total, 1), max(total, 1), "done")
@@ -279,7 +392,8 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
 
 
 def _tune_stage(spec, case: ShapeCase, BT: int, stage: str, configs: list, current: dict, run, inputs, reference,
-                timer, tol, device: DeviceInfo, tick, min_gain: float = 0.0) -> StageResult:
+                timer, tol, device: DeviceInfo, tick, min_gain: float = 0.0,
+                check: Callable = check_outputs) -> StageResult:
     tried = []
     for i, config in enumerate(configs):
         cand = Candidate(stage, BT, dict(config), is_default=(i == 0))
@@ -294,7 +408,7 @@ def _tune_stage(spec, case: ShapeCase, BT: int, stage: str, configs: list, curre
         try:
             with poisoned_memory():
                 got = call()
-            cand.rejected = check_outputs(got, reference, case.dtype, tol)
+            cand.rejected = check(got, reference, case.dtype, tol)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is data
             if _fatal(exc):
                 raise TuningAborted(f"{cand.label} left the device unusable ({exc}); rerun without it "
@@ -324,22 +438,27 @@ def _tune_stage(spec, case: ShapeCase, BT: int, stage: str, configs: list, curre
 
 def format_report(report: TuneReport) -> str:
     """A table of winners against the default config, then the chunk-size advice."""
-    lines = [f"{'shape (B,T,H,HV,K,V dtype)':<30} {'BT':>3} {'stage':<7} {'winner':<34} {'ms':>9} "
+    lines = [f"{'shape (B,T,H,HV,K,V dtype)':<30} {'BT':>3} {'stage':<12} {'winner':<34} {'ms':>9} "
              f"{'default ms':>10} {'speedup':>7} {'tried':>5} {'rejected':>8}"]
     for r in report.results:
         cfg = " ".join(f"{k}={v}" for k, v in r.winner.config.items())
-        lines.append(f"{r.shape.label:<30} {r.BT:>3} {r.stage:<7} {cfg:<34} {r.winner.ms:>9.3f} "
+        lines.append(f"{r.shape.label:<30} {r.BT:>3} {r.stage:<12} {cfg:<34} {r.winner.ms:>9.3f} "
                      f"{r.default.ms:>10.3f} {r.default.ms / r.winner.ms:>6.2f}x {len(r.candidates):>5} "
                      f"{len(r.rejected):>8}")
         for c in r.rejected:
             lines.append(f"{'':<30} rejected {c.label}: {c.rejected}")
-    for case, bt in report.chunk_winners.items():
-        totals = ", ".join(f"BT={b}: {t:.3f} ms" for (c, b), t in report.chunk_totals.items() if c == case)
-        first = next((r for r in report.results if r.shape == case), None)
-        base = f"; all defaults at BT={first.BT}: {first.default.ms:.3f} ms" if first else ""
-        lines.append(f"chunk size for {case.label}: {bt} (tuned totals {totals}{base})")
+    for what, winners, all_totals, backward in (("chunk size", report.chunk_winners, report.chunk_totals, False),
+                                                ("fwd+bwd chunk size", report.train_chunk_winners,
+                                                 report.train_totals, True)):
+        for case, bt in winners.items():
+            totals = ", ".join(f"BT={b}: {t:.3f} ms" for (c, b), t in all_totals.items() if c == case)
+            first = next((r for r in report.results if r.shape == case
+                          and _space.is_backward(r.stage) == backward), None)
+            defaults = "backward defaults" if backward else "all defaults"
+            base = f"; {defaults} at BT={first.BT}: {first.default.ms:.3f} ms" if first else ""
+            lines.append(f"{what} for {case.label}: {bt} (tuned totals {totals}{base})")
     return "\n".join(lines)
 
 
-__all__ = ["Candidate", "ShapeCase", "StageResult", "TuneReport", "TuningAborted", "check_outputs",
-           "format_report", "tune"]
+__all__ = ["Candidate", "ShapeCase", "StageResult", "TuneReport", "TuningAborted", "make_backward_runner",
+           "check_grads", "check_outputs", "cotangents", "format_report", "tune"]

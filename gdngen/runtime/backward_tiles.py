@@ -1,4 +1,17 @@
-"""Launch parameters of the generated backward stages (safe defaults; not yet in the autotuner).
+"""Launch parameters of the generated backward stages.
+
+Every backward launch asks :func:`backward_tiles` for its stage's launch parameters; like
+:func:`gdngen.runtime.tiles` for the forward, the answer comes from, in order:
+
+1. an :func:`override_backward` (a test, a tile experiment, the tuner trying a candidate),
+2. the user's per-device autotune cache (``$GDNGEN_CACHE_DIR``, default ``~/.cache/gdngen``),
+3. the shipped table for the device family (``gdngen/autotune/shipped/``),
+4. :func:`default_backward_tiles`, safe everywhere.
+
+Steps 2-3 need the spec's name (the generated driver passes it, with H, T and the spec hash) and
+a GPU; cache entries are keyed ``<spec>/<stage>_bwd/<shape class>`` (``state_bwd`` is the reverse
+state pass, ``state`` the forward one) and written by ``gdngen tune --stages bwd``. An entry that
+breaks a rule below is ignored with a warning, never used, never a crash.
 
 Tile rule learned on the H200 (Triton 3.6): no [*, 32] tensor-core product may take an operand
 that comes out of a 64-wide product in the same kernel. The forward output stage gave wrong rows
@@ -11,11 +24,13 @@ the intra stage took the scores over, so any BV is allowed there.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
+from gdngen.autotune import cache as _cache
 from gdngen.runtime.launch import next_pow2
-from gdngen.runtime.tiles import SM_COUNT_H200
+from gdngen.runtime.tiles import _RECORDERS, SM_COUNT_H200
 
 STAGES = ("wy_prep", "intra", "state", "chunk", "wy", "wy_decay")
 _OVERRIDES: dict[str, dict] = {}
@@ -45,20 +60,53 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
     raise ValueError(f"stage: unknown backward stage {stage!r}")
 
 
-def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
-    """The defaults, with an :func:`override_backward` for ``stage`` merged over them."""
-    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype)
-    config.update(_OVERRIDES.get(stage, {}))
+def _problem(stage: str, config: dict, K: int) -> Optional[str]:
+    """What makes ``config`` unlaunchable or unsafe for ``stage`` (None when nothing does)."""
     for key in ("BK", "BV"):
         tile = config.get(key)
         if tile is not None and (tile < 16 or tile & (tile - 1)):
-            raise ValueError(f"{key}: the {stage} stage needs a power of two >= 16, got {tile}")
+            return f"{key}: the {stage} stage needs a power of two >= 16, got {tile}"
     if stage == "state" and config["BK"] < K:
         # the reverse state pass holds all K rows of its slice: a narrower BK would drop rows
-        raise ValueError(f"BK: the state stage needs BK >= K ({K}), got {config['BK']}")
+        return f"BK: the state stage needs BK >= K ({K}), got {config['BK']}"
     if stage == "state" and config["num_stages"] < 2:
-        raise ValueError("num_stages: the state stage needs >= 2 (one stage gave illegal memory "
-                         f"accesses on the H200), got {config['num_stages']}")
+        return ("num_stages: the state stage needs >= 2 (one stage gave illegal memory "
+                f"accesses on the H200), got {config['num_stages']}")
+    return None
+
+
+def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
+                   spec_name: Optional[str] = None, H: Optional[int] = None, T: Optional[int] = None,
+                   spec_hash: Optional[str] = None) -> dict:
+    """BK / BV / num_warps / num_stages for one launch of backward ``stage``.
+
+    The defaults, with an :func:`override_backward` for ``stage`` merged over them, else (given
+    ``spec_name``, on a GPU) the tuned cache entry for this shape class. ``H``, ``T`` (only its
+    short/long bucket) and ``spec_hash`` make the cache match exactly, as for ``tiles``. A bad
+    override raises ValueError naming the key; a bad cache entry is ignored with a warning.
+    """
+    for recorder in _RECORDERS:
+        recorder.append(stage + "_bwd")
+    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype)
+    forced = _OVERRIDES.get(stage)
+    if forced is not None:
+        config.update(forced)
+        problem = _problem(stage, config, K)
+        if problem:
+            raise ValueError(problem)
+        return config
+    if spec_name is not None:
+        chosen = _cache.lookup(spec_name, stage + "_bwd", K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
+                               spec_hash=spec_hash)
+        if chosen:
+            tuned = {**config, **chosen}
+            problem = _problem(stage, tuned, K)
+            if problem:           # the cache's own checks should have caught it: never crash a launch
+                _cache._warn_once(("backward", spec_name, stage, tuple(sorted(chosen.items()))),
+                                  f"gdngen: tuned {stage}_bwd config {chosen} for {spec_name} is not safe "
+                                  f"({problem}); using the defaults")
+            else:
+                config = tuned
     return config
 
 

@@ -111,7 +111,8 @@ def override(spec_name: str, stage: str, **config):
 
 @contextmanager
 def record_stages():
-    """Collect the stage names that ask for tiles inside the block (in launch order)."""
+    """Collect the stage names that ask for tiles inside the block (in launch order); backward
+    launches (``backward_tiles``) are recorded with a ``_bwd`` suffix (``state_bwd``)."""
     seen: list = []
     _RECORDERS.append(seen)
     try:
