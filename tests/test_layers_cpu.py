@@ -333,15 +333,21 @@ def test_qwen3_next_logits_loss_grads_match_transformers(monkeypatch):
     assert checked == 7            # in_proj_qkvz, in_proj_ba, conv1d, A_log, dt_bias, norm, out_proj
 
 
-def test_qwen3_next_generate_gives_identical_tokens(monkeypatch):
+@pytest.mark.parametrize("cache_api", ["installed", "without_readers"])
+def test_qwen3_next_generate_gives_identical_tokens(monkeypatch, cache_api):
     """Greedy generation (prefill through the chunk op, decode through the recurrence, transformers'
-    cache), a left-padded batch of two."""
+    cache), a left-padded batch of two.  "without_readers": the cache as older transformers (5.17) has
+    it, with no get_conv_state / get_recurrent_state / is_recording_past, only the layers' attributes."""
     model, patched = _qwen3_next_pair(seed=1)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, :3] = 0
     options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **options)
+    if cache_api == "without_readers":
+        from transformers import cache_utils
+        for name in ("get_conv_state", "get_recurrent_state", "is_recording_past"):
+            monkeypatch.delattr(cache_utils.Cache, name, raising=False)
     _forbid_transformers_kernels(monkeypatch)
     got = patched.generate(ids, **options)
     assert got.shape == (2, 12) and torch.equal(got, want)

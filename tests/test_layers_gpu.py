@@ -67,27 +67,70 @@ def test_gated_rms_norm_wide_bf16():
 
 LAYER = dict(hidden_size=512, num_heads=4, num_v_heads=8, head_dim=64, conv_bias=True, layer_idx=0)
 
+# The bf16 layer runs everything in bf16 (projections, conv, norm), so its error vs the float64 module is
+# the bf16 rounding of every activation plus the GDN op's own bf16 error.  The same layer with
+# kernels="reference" in bf16 (torch, the GDN op in float64 on the bf16 activations) measures the first
+# part; by the triangle inequality |gdngen - f64| <= |torch bf16 - f64| + |gdngen - torch bf16|, and the
+# second term is the kernels' own error on the same activations, which the op tier bounds for the gate
+# gradients at 2e-2 (tests/test_backward_gpu.py TOL["A_log"] / ["dt_bias"]).  That bound is used for
+# A_log and dt_bias only; every other tensor keeps BF16_TOL against float64.
+#
+# Why the gate parameters: their gradients are plain sums, over the B*T = 1400 tokens of a head, of the
+# per-token gate gradient c (dt_bias: da; A_log: da * softplus(a + dt_bias) / sigmoid(a + dt_bias)), with no
+# random weight to average errors out as x does in the projections' gradients.  Numbers at this test's
+# shapes and weights (CPU interpreter with bf16 dots emulated in fp32, two x/dy draws):
+#   * per token the kernel is fine: da rel-RMSE 1.49% gdngen vs 1.13% torch bf16, the same x1.3 as for
+#     y (1.23% vs 0.90%) and every other tensor;
+#   * the sums cancel: sum|c| / |sum c| = 12..15 (rms over heads), and the errors of c are correlated along
+#     time (a chunk shares its state and decay; the bf16 A_log, dt_bias are shared by all tokens): per head
+#     mean / rms of the da error up to 0.31..0.40 (gdngen), 0.17..0.27 (torch bf16), where independent
+#     errors give 1/sqrt(1400) = 0.027, so the error of a sum grows ~N while the sum itself grows ~sqrt(N);
+#   * gradient rel-RMSE vs float64, gdngen / torch bf16: A_log 0.0215 / 0.0087 and 0.0178 / 0.0080, dt_bias
+#     0.0214 / 0.0065 and 0.0184 / 0.0084; bounds 0.027..0.029.  On the H200 (its x, dy; cuBLAS's bf16
+#     matmuls make the torch path noisier there): A_log 0.0232 / 0.0187, dt_bias 0.0240 / 0.0190, bounds
+#     0.039; gdngen vs torch bf16 directly 0.0162 / 0.0165, within the op tier's 2e-2;
+#   * a wrong kernel: A_log's (or dt_bias's) gradient 5% too large or too small gives 0.040..0.065 on CPU,
+#     0.060 / 0.050 on the H200 (5% on one head only: 0.050), over the bound.  The other tensors: gdngen
+#     0.0088..0.0150, under BF16_TOL; the torch bf16 path at most 0.0113 for them, and its gate gradients,
+#     cancelling as gdngen's do, are held to 2 * BF16_TOL so that the bound stays under 0.06.
+GATE_PARAMS = ("A_log", "dt_bias")
+GATE_OP_TOL = 2e-2
+
+
+def _layer_grads(layer, x, dy):
+    """{"y", "x.grad", each parameter's name: its gradient} of ``(layer(x) * dy).sum()``."""
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    (y * dy).sum().backward()
+    return {"y": y.detach(), "x.grad": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_module_matches_float64_reference(dtype):
     torch.manual_seed(0)
     ref = GatedDeltaNet(**LAYER, kernels="reference").cuda().double()
+    weights = {k: v.float() for k, v in ref.state_dict().items()}
     layer = GatedDeltaNet(**LAYER).cuda()
-    layer.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    layer.load_state_dict(weights)
     layer = layer.to(dtype)
     x64 = _randn(2, 700, 512, seed=10).double()
     dy = _randn(2, 700, 512, seed=11).double()
-    xr = x64.clone().requires_grad_()
-    y_ref = ref(xr)
-    (y_ref * dy).sum().backward()
-    x = x64.to(dtype).requires_grad_()
-    y = layer(x)
-    (y * dy.to(dtype)).sum().backward()
-    tol = 1e-4 if dtype == torch.float32 else BF16_TOL
-    assert rel_rmse(y, y_ref) < tol and rel_rmse(x.grad, xr.grad) < tol
-    ref_params = dict(ref.named_parameters())
-    for name, p in layer.named_parameters():
-        assert rel_rmse(p.grad, ref_params[name].grad) < tol, name
+    want = _layer_grads(ref, x64, dy)
+    got = _layer_grads(layer, x64.to(dtype), dy.to(dtype))
+    errors = {name: rel_rmse(got[name], want[name]) for name in want}
+    if dtype == torch.float32:
+        bounds = dict.fromkeys(errors, 1e-4)
+    else:
+        torch_bf16 = GatedDeltaNet(**LAYER, kernels="reference").cuda()
+        torch_bf16.load_state_dict(weights)
+        base = _layer_grads(torch_bf16.to(dtype), x64.to(dtype), dy.to(dtype))
+        base = {name: rel_rmse(base[name], want[name]) for name in want}
+        caps = {name: 2 * BF16_TOL if name in GATE_PARAMS else BF16_TOL for name in base}
+        assert all(e < caps[name] for name, e in base.items()), f"the bf16 torch path itself: {base}"
+        bounds = {name: base[name] + GATE_OP_TOL if name in GATE_PARAMS else BF16_TOL for name in errors}
+    assert set(GATE_PARAMS) <= set(errors)
+    bad = {name: (e, bounds[name]) for name, e in errors.items() if not e < bounds[name]}
+    assert not bad, f"(error, bound): {bad}; all errors: {errors}"
 
 
 def test_prefill_then_decode_equals_full_forward():

@@ -43,7 +43,7 @@ def _hf():
     try:
         from transformers.models.qwen3_next import modeling_qwen3_next
     except ImportError as error:        # pragma: no cover - depends on the environment
-        raise ImportError("patch_qwen3_next needs transformers with Qwen3-Next (>= 4.57): "
+        raise ImportError("patch_qwen3_next needs transformers with Qwen3-Next (>= 5.17): "
                           "pip install 'gdngen[layers]'") from error
     return modeling_qwen3_next
 
@@ -57,12 +57,37 @@ def _needs_grad(module: nn.Module, x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
 
 
+# transformers' linear-attention cache (``LinearAttentionLayer`` in ``cache_utils``, since 5.x) keeps, per layer,
+# ``conv_states`` / ``recurrent_states`` / ``has_previous_state`` dicts keyed by state index and a
+# ``record_past`` flag, and ``Cache.update_conv_state`` / ``update_recurrent_state``.  Newer releases
+# (5.24 here) add the readers ``Cache.get_conv_state`` / ``get_recurrent_state`` / ``is_recording_past``;
+# older ones (5.17, the GPU machine's) read the layer's attributes directly, as their Qwen3-Next forward
+# does.  Use the readers where the cache has them, else the same attributes they read.
+
+def _cached_state(cache, layer_idx: int, kind: str) -> Optional[torch.Tensor]:
+    """The cache's ``kind`` ("conv" / "recurrent") state of layer ``layer_idx``, None before its first update."""
+    getter = getattr(cache, f"get_{kind}_state", None)
+    if getter is not None:
+        return getter(layer_idx)
+    layer = cache.layers[layer_idx]
+    # None until the first update_conv_state, and after a reset (which zeroes the tensors but keeps them)
+    return getattr(layer, f"{kind}_states")[0] if layer.has_previous_state[0] else None
+
+
+def _is_recording_past(cache, layer_idx: int) -> bool:
+    """Whether the cache keeps every past conv input of the layer (for a later crop), as transformers asks."""
+    reader = getattr(cache, "is_recording_past", None)
+    if reader is not None:
+        return reader(layer_idx)
+    return getattr(cache.layers[layer_idx], "record_past", False)
+
+
 def _gdngen_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: Optional[torch.Tensor] = None,
                     **kwargs):
     """``Qwen3NextGatedDeltaNet.forward`` on gdngen kernels (same arguments, same cache protocol)."""
     hf = _hf()
     if cache is None:
-        cache = kwargs.pop("cache_params", None)      # the name before transformers 5.40
+        cache = kwargs.pop("cache_params", None)      # its name in older releases (5.17)
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
     B, T, _ = hidden_states.shape
     cu_seqlens = kwargs.get("cu_seq_lens_q")
@@ -70,15 +95,15 @@ def _gdngen_forward(self, hidden_states: torch.Tensor, cache=None, attention_mas
 
     conv_state = recurrent_state = None
     if cache is not None:
-        conv_state = cache.get_conv_state(self.layer_idx)
-        recurrent_state = cache.get_recurrent_state(self.layer_idx)
+        conv_state = _cached_state(cache, self.layer_idx, "conv")
+        recurrent_state = _cached_state(cache, self.layer_idx, "recurrent")
 
     query, key, value, z, b, a = self.fix_query_key_value_ordering(
         self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
     mixed_qkv = torch.cat([x.reshape(B, T, -1) for x in (query, key, value)], dim=-1)
     weight = self.conv1d.weight.squeeze(1)
     splits = (self.key_dim, self.key_dim, self.value_dim)
-    if cache is not None and cache.is_recording_past(self.layer_idx):
+    if cache is not None and _is_recording_past(cache, self.layer_idx):
         # transformers keeps every past input for a later crop: let it assemble the window, convolve it all
         full = cache.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx, conv_kernel_size=W)
         (q, k, v), _ = short_conv(full.transpose(1, 2), weight, self.conv1d.bias, activation=self.activation,
