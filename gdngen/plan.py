@@ -159,8 +159,8 @@ def _feature_map_exprs(spec: Spec) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward stages: the generated chunkwise backward. It keeps nothing from the forward call: it
-# recomputes the chunk-start states (<op>_fwd_states) and everything inside a chunk. The gradient
+# Backward stages: the generated chunkwise backward. It keeps only the forward call's chunk-start
+# states (the op's third output) and recomputes everything inside a chunk. The gradient
 # recipe is checked against differentiation of the recurrence (algebra.backward); the gate
 # derivatives are derived there with sympy.diff and printed here.
 # ---------------------------------------------------------------------------------------------
@@ -241,8 +241,8 @@ def public_api(plan: Plan) -> dict:
     if plan.backend == "triton":
         if plan.backward_backend == "triton":
             note = ("Forward and backward: generated Triton kernels (compiled on CUDA, interpreted on CPU "
-                    "under TRITON_INTERPRET=1). The backward keeps nothing from the forward: it recomputes "
-                    "the chunk-start states and every intra-chunk quantity, and is deterministic (no atomics).")
+                    "under TRITON_INTERPRET=1). The backward keeps only the forward's chunk-start states, "
+                    "recomputes every intra-chunk quantity, and is deterministic (no atomics).")
         else:
             note = ("Forward: generated Triton kernels (compiled on CUDA, interpreted on CPU under "
                     f"TRITON_INTERPRET=1). Backward: the float64 reference ({plan.backward_reason}).")

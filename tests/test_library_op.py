@@ -26,7 +26,7 @@ def test_chunk_op_is_registered(name):
     packet = getattr(torch.ops.gdngen, spec.chunk_function)
     schema = str(packet.default._schema)
     assert schema.startswith(f"gdngen::{spec.chunk_function}(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta")
-    assert schema.endswith("-> (Tensor, Tensor)")
+    assert schema.endswith("-> (Tensor, Tensor, Tensor)")      # o, final state, kept chunk-start states
     assert hasattr(torch.ops.gdngen, f"{spec.chunk_function}_backward")
 
 
@@ -81,6 +81,8 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
     # replay creates inside the kernel ("Cannot access storage of TensorWrapper"). The fake kernel
     # is exercised by the torch.compile tests below (AOTAutograd traces this op with fake tensors);
     # mutation and aliasing are checked directly.
+    states = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
+    args = (*args[:9], states, *args[9:])
     before = [x.clone() if isinstance(x, torch.Tensor) else x for x in (do, dht, *args)]
     grads = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *args)
     for x, y in zip((do, dht, *args), before):
@@ -90,6 +92,30 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
                for gr in grads if gr.numel() > 0), "a gradient aliases an input"
     assert [tuple(gr.shape) for gr in grads[:4]] == [tuple(x.shape) for x in args[:4]]
     assert grads[4].numel() == 0 and grads[5].shape == h0.shape and q.dtype == grads[0].dtype
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_backward_from_kept_states_equals_recompute(varlen, device):
+    """The forward op's third output (its chunk-start states, kept for the backward) gives the same
+    gradients as a backward that recomputes them with its own state pass; varlen keeps them at the
+    shape-only bound chunk_state_rows, past the packed chunk count."""
+    from gdngen.runtime import chunk_state_rows
+    _module("gated_delta_rule")
+    kwargs = dict(T=40, cu_seqlens=torch.tensor([0, 7, 7, 40], dtype=torch.int32)) if varlen else dict(B=2, T=37)
+    args = _op_args("gated_delta_rule", device, grad=False, **kwargs)
+    inputs, options = args[:9], args[9:]
+    o, ht, states = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+    B, T = args[0].shape[:2]
+    N = B if not varlen else 3
+    assert states.shape == (chunk_state_rows(B, T, 16, N if varlen else None), 2, 16, 16)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    needs = [True, True, True, True, True, True, False, False, False]
+    kept = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *inputs, states, *options)
+    recomputed = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *inputs, states[:0], *options)
+    for a, b, need in zip(kept, recomputed, needs):
+        assert a.shape == b.shape and (a.numel() > 0) == need and torch.isfinite(a).all()
+        if need:
+            assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max()), (a - b).abs().max()
 
 
 class _TinyGDN(torch.nn.Module):
