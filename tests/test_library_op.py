@@ -118,6 +118,38 @@ def test_backward_from_kept_states_equals_recompute(varlen, device):
             assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max()), (a - b).abs().max()
 
 
+def test_backward_materialises_no_state_sized_zeros():
+    """Nothing flows into the kept states (or into o when only the final state is used): autograd
+    must not zero-fill a gradient for them (one the size of the kept states: 512 MiB at
+    (1, 32768, 32, 32) bf16, measured as extra peak memory on the H200), and a loss of the final
+    state alone gives the same gradients as one that also touches o with weight 0."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from generated.gated_delta_rule import chunk_gated_delta_rule
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(word in str(func) for word in ("zeros", "fill", "full")) and isinstance(out, torch.Tensor):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    args = _op_args("gated_delta_rule", "cpu", B=1, T=40)
+    leaves = [x for x in args[:9] if isinstance(x, torch.Tensor) and x.requires_grad]
+    q, k, v, g, beta, h0 = args[:6]
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    with Fills() as fills:
+        torch.autograd.grad(o.sum(), leaves, retain_graph=True)
+    assert not [s for s in fills.shapes if len(s) == 4 and s[1:] == (2, 16, 16)], fills.shapes
+    only_state = torch.autograd.grad(ht.square().sum(), leaves, retain_graph=True)
+    both = torch.autograd.grad((o * 0).sum() + ht.square().sum(), leaves)
+    for a, b in zip(only_state, both):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 class _TinyGDN(torch.nn.Module):
     """Linear projections -> chunk_gated_delta_rule (with the final state) -> a scalar."""
 
