@@ -38,6 +38,17 @@ ROWS = os.path.join(OUT, "backward.jsonl")
 # Targets from the issue: fwd+bwd <= 0.8x FLA's time, peak memory at (1,32768,32,32) <= 1968 MiB.
 FLA_ISSUE_MS = {(1, 32768, 32, 32): 8.08, (4, 8192, 16, 32): 7.74}
 MEMORY_BOUND_MIB = {(1, 32768, 32, 32): 1968}
+HBM_BYTES_PER_S, BF16_FLOPS = 4.27e12, 790e12      # H200 roofline constants (NOTES.md)
+
+
+def floor_ms(B, T, H, HV, C=64):
+    """H200 roofline floor of forward+backward, bf16: every input, output and gradient crosses HBM
+    once (q, k, v, g, beta and o forward; q, k, v, g, beta, do in and dq, dk, dv, dg, dbeta out
+    backward); matmul FLOPs 3x the forward's chunkwise count (backward ~ twice the forward)."""
+    per_token = (2 * H * K * 2 + HV * V * 2 * 2 + HV * 4 * 2) \
+        + (2 * H * K * 2 + 2 * HV * V * 2 + HV * 4 * 2) + (2 * H * K * 2 + HV * V * 2 + HV * 4 * 2)
+    fwd_flops = B * HV * (T / C) * 2 * (2 * C * C * K + C * C * (K + V) + 3 * C * K * V + C * C * V)
+    return max(B * T * per_token / HBM_BYTES_PER_S, 3 * fwd_flops / BF16_FLOPS) * 1e3
 
 
 def log(row: dict) -> None:
@@ -148,8 +159,10 @@ def bench(impls, cases):
             except Exception as exc:  # noqa: BLE001
                 log({"kind": "time", "impl": name, "case": [B, T, H, HV], "error": repr(exc)[:300]})
                 continue
+            floor = floor_ms(B, T, H, HV)
             log({"kind": "time", "impl": name, "case": [B, T, H, HV], "fwd_bwd_ms": ms, "peak_mib": peak,
-                 "first_call_s": first, "tokens_per_s": B * T / ms * 1e3})
+                 "first_call_s": first, "tokens_per_s": B * T / ms * 1e3, "floor_ms": floor,
+                 "floor_fraction": floor / ms})
         del leaves, do
         torch.cuda.empty_cache()
 
@@ -160,16 +173,18 @@ def table():
     for r in rows:
         if r["kind"] == "time" and "fwd_bwd_ms" in r:
             by_case.setdefault(tuple(r["case"]), {})[r["impl"]] = r
-    print("\n| case (B,T,H,HV) | impl | fwd+bwd ms | peak MiB | vs FLA here | target ms (0.8x FLA 8.08/7.74) | memory bound |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case (B,T,H,HV) | impl | fwd+bwd ms | Mtok/s | peak MiB | first call s | % of floor | vs FLA here "
+          "| target ms (0.8x FLA 8.08/7.74) | memory bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case, impls in by_case.items():
         for name, r in impls.items():
             fla = impls.get("fla", {}).get("fwd_bwd_ms")
             ratio = f"{r['fwd_bwd_ms'] / fla:.2f}x" if fla else "-"
             target = 0.8 * FLA_ISSUE_MS[case] if case in FLA_ISSUE_MS else float("nan")
             bound = MEMORY_BOUND_MIB.get(case)
-            print(f"| {case} | {name} | {r['fwd_bwd_ms']:.2f} | {r['peak_mib']:.0f} | {ratio} | {target:.2f} | "
-                  f"{bound if bound else '-'} |")
+            share = r.get("floor_ms", floor_ms(*case)) / r["fwd_bwd_ms"]
+            print(f"| {case} | {name} | {r['fwd_bwd_ms']:.2f} | {r['tokens_per_s'] / 1e6:.2f} | {r['peak_mib']:.0f} | "
+                  f"{r['first_call_s']:.1f} | {100 * share:.0f}% | {ratio} | {target:.2f} | {bound if bound else '-'} |")
     for r in rows:
         if r["kind"].startswith("check"):
             print(r)

@@ -211,9 +211,9 @@ def make_backward_runner(fn: Callable, grads_out: tuple) -> Callable:
     return run
 
 
-def _stage_default(stage: str, sizes: dict) -> dict:
+def _stage_default(stage: str, sizes: dict, per_channel: bool = False) -> dict:
     if _space.is_backward(stage):
-        return default_backward_tiles(_space.runtime_stage(stage), **sizes)
+        return default_backward_tiles(_space.runtime_stage(stage), **sizes, per_channel=per_channel)
     return default_tiles(stage, **sizes)
 
 
@@ -293,7 +293,7 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
 
     def stage_candidates(stage, case, BT, sizes):
         return _space.candidates(stage, K=case.K, V=case.V, BT=BT, dtype=case.dtype,
-                                 default=_stage_default(stage, sizes), device=device, limit=max_candidates,
+                                 default=_stage_default(stage, sizes, vector), device=device, limit=max_candidates,
                                  per_channel=vector)
 
     run = runner or default_run
@@ -363,7 +363,7 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
                         report.chunk_totals[(case, BT)] = best_total
                 if bwd_wanted:
                     # forward stages at their best so far, backward stages at their defaults
-                    bwd_defaults = {s: _stage_default(s, sizes) for s in bwd_stages}
+                    bwd_defaults = {s: _stage_default(s, sizes, vector) for s in bwd_stages}
                     with record_stages() as seen:
                         with poisoned_memory():
                             with _pinned(spec.name, {**fwd_best, **bwd_defaults}):

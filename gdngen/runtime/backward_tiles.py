@@ -36,11 +36,15 @@ STAGES = ("wy_prep", "intra", "state", "chunk", "wy", "wy_decay")
 _OVERRIDES: dict[str, dict] = {}
 
 
-def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
+def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
+                           per_channel: bool = False) -> dict:
     """BK / BV / warps for one backward launch; every head dim up to 256 (tl.dot needs tiles >= 16).
 
     The reverse state pass keeps the whole K extent of its [K, BV] gradient slice in registers,
     like the forward state pass, and narrows BV only while that leaves too few programs.
+    ``per_channel`` (vector decay): the chunk and wy_decay kernels unroll 16-row sub-blocks and
+    keep every [16, 16] block pair live; with 4 warps ptxas spilled 42-44 KB per thread of them
+    (kda, K=V=128, bf16, chunk 64: ``gdngen check --compile-sm90``), with 8 warps 0.9 and 7.5 KB.
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "state":
@@ -54,9 +58,9 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         # BV=16/4 warps, and 8.58 vs 9.30 ms at BV=64 (benchmarks/profile_backward.py, NOTES.md).
         return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": 2}
     if stage in ("chunk", "wy", "intra"):
-        return {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
+        return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):
-        return {"BK": 64, "num_warps": 4, "num_stages": 2}
+        return {"BK": 64, "num_warps": 8 if stage == "wy_decay" else 4, "num_stages": 2}
     raise ValueError(f"stage: unknown backward stage {stage!r}")
 
 
@@ -77,7 +81,7 @@ def _problem(stage: str, config: dict, K: int) -> Optional[str]:
 
 def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
                    spec_name: Optional[str] = None, H: Optional[int] = None, T: Optional[int] = None,
-                   spec_hash: Optional[str] = None) -> dict:
+                   spec_hash: Optional[str] = None, per_channel: bool = False) -> dict:
     """BK / BV / num_warps / num_stages for one launch of backward ``stage``.
 
     The defaults, with an :func:`override_backward` for ``stage`` merged over them, else (given
@@ -87,7 +91,7 @@ def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtyp
     """
     for recorder in _RECORDERS:
         recorder.append(stage + "_bwd")
-    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype)
+    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
     forced = _OVERRIDES.get(stage)
     if forced is not None:
         config.update(forced)
