@@ -1,0 +1,84 @@
+"""GPU tier for the autotuner (issue #5): on the H200, a tuned config is no slower than the default
+on a benchmark-like case, and every config the tuner accepted gives the default's results.
+
+Small on purpose (one shape, chunk 64, a few candidates per stage) so it fits a device call; the full
+tuning run that ships ``gdngen/autotune/shipped/h200.json`` is ``gdngen tune`` (benchmarks/NOTES.md).
+It times kernels: run it alone on the GPU (``python3 -m pytest -v tests/test_autotune_gpu.py``), not
+beside other GPU work (``benchmarks/gpu_tier.sh`` leaves it out for that reason).
+"""
+import importlib
+
+import pytest
+import torch
+import triton
+
+from gdngen.autotune import cache
+from gdngen.autotune.tuner import ShapeCase, tune
+from gdngen.runtime import override
+from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
+from gdngen.spec import load_spec
+
+pytestmark = pytest.mark.gpu
+CASE = ShapeCase(2, 4096, 16, 32, 128, 128, dtype=torch.bfloat16)
+
+
+@pytest.fixture()
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")    # only this test's tuning counts
+    cache.clear_memo()
+    yield tmp_path
+    cache.clear_memo()
+
+
+def test_tuned_forward_no_slower_than_default_and_as_accurate(isolated_cache):
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    module = importlib.import_module("generated.gated_delta_rule")
+    report = tune(spec, [CASE], stages=["wy", "state", "output"], chunk_sizes=[64], max_candidates=4,
+                  write=True)
+    assert report.results and all(r.winner.rejected is None for r in report.results)
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=11, B=CASE.B, T=CASE.T, H=CASE.H,
+                         HV=CASE.HV, K=CASE.K, V=CASE.V)
+    step = lambda: call(module, spec, inputs, output_final_state=True, chunk_size=64)  # noqa: E731
+
+    # tuned: the cache this run wrote (a winner beats the default by >= min_gain or is the default)
+    cache.clear_memo()
+    o_tuned, ht_tuned = step()
+    tuned_ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
+    # default: every stage pinned to its built-in default
+    pins = [override(spec.name, r.stage, **r.default.config) for r in report.results]
+    for pin in pins:
+        pin.__enter__()
+    try:
+        o_default, ht_default = step()
+        default_ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
+    finally:
+        for pin in reversed(pins):
+            pin.__exit__(None, None, None)
+    assert tuned_ms <= default_ms * 1.03, (tuned_ms, default_ms)      # 3%: run-to-run noise of do_bench
+
+    # identical within bf16 tolerance to the default, and both right against float64
+    assert rel_rmse(o_tuned, o_default) < 1e-2 and rel_rmse(ht_tuned, ht_default) < 1e-2
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    for o, ht in ((o_tuned, ht_tuned), (o_default, ht_default)):
+        assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
+
+
+def test_every_accepted_candidate_matches_the_default(isolated_cache):
+    """The tuner times only candidates whose outputs match the default's; re-check two of them."""
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    module = importlib.import_module("generated.gated_delta_rule")
+    report = tune(spec, [ShapeCase(1, 2048, 4, 8, 128, 128)], stages=["state", "output"], chunk_sizes=[64],
+                  max_candidates=3, write=False)
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=12, B=1, T=2048, H=4, HV=8, K=128, V=128)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    checked = 0
+    for result in report.results:
+        for candidate in result.candidates:
+            if candidate.rejected:
+                continue
+            with override(spec.name, result.stage, **candidate.config):
+                o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=64)
+            assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3, candidate.label
+            checked += 1
+    assert checked >= 2
