@@ -23,6 +23,8 @@ import torch
 import triton
 
 from gdngen import reference
+from gdngen.bench import Case
+from gdngen.bench import floor_ms as bench_floor_ms
 from gdngen.selfcheck import rel_rmse
 from gdngen.spec import load_spec
 
@@ -38,17 +40,11 @@ ROWS = os.path.join(OUT, "backward.jsonl")
 # Targets from the issue: fwd+bwd <= 0.8x FLA's time, peak memory at (1,32768,32,32) <= 1968 MiB.
 FLA_ISSUE_MS = {(1, 32768, 32, 32): 8.08, (4, 8192, 16, 32): 7.74}
 MEMORY_BOUND_MIB = {(1, 32768, 32, 32): 1968}
-HBM_BYTES_PER_S, BF16_FLOPS = 4.27e12, 790e12      # H200 roofline constants (NOTES.md)
 
 
-def floor_ms(B, T, H, HV, C=64):
-    """H200 roofline floor of forward+backward, bf16: every input, output and gradient crosses HBM
-    once (q, k, v, g, beta and o forward; q, k, v, g, beta, do in and dq, dk, dv, dg, dbeta out
-    backward); matmul FLOPs 3x the forward's chunkwise count (backward ~ twice the forward)."""
-    per_token = (2 * H * K * 2 + HV * V * 2 * 2 + HV * 4 * 2) \
-        + (2 * H * K * 2 + 2 * HV * V * 2 + HV * 4 * 2) + (2 * H * K * 2 + HV * V * 2 + HV * 4 * 2)
-    fwd_flops = B * HV * (T / C) * 2 * (2 * C * C * K + C * C * (K + V) + 3 * C * K * V + C * C * V)
-    return max(B * T * per_token / HBM_BYTES_PER_S, 3 * fwd_flops / BF16_FLOPS) * 1e3
+def floor_ms(B, T, H, HV):
+    """H200 roofline floor of forward+backward (gdngen.bench.floor_ms)."""
+    return bench_floor_ms(Case("backward", B, T, H, HV, K, V), "fwd+bwd")
 
 
 def log(row: dict) -> None:

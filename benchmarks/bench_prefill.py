@@ -24,11 +24,11 @@ import triton
 from gdngen.selfcheck import rel_rmse
 from gdngen.spec import load_spec
 from gdngen import reference
+from gdngen.bench import Case
+from gdngen.bench import floor_ms as bench_floor_ms
 
 CASES = [(1, 32768, 32, 32), (4, 8192, 16, 32), (8, 2048, 16, 16), (1, 131072, 16, 32), (1, 32768, 2, 8)]
 K = V = 128
-HBM_BYTES_PER_S = 4.27e12
-BF16_FLOPS = 790e12
 OUT = os.environ.get("OUT", "bench_out")
 os.makedirs(OUT, exist_ok=True)
 ROWS = os.path.join(OUT, "prefill.jsonl")
@@ -80,12 +80,8 @@ def implementations(names):
 
 
 def floor_ms(B, T, H, HV):
-    """Roofline floor of the GDN chunk forward: read q,k,v,g,beta once, write o (bf16); matmul FLOPs."""
-    C = 64
-    bytes_moved = B * T * (2 * H * K * 2 + HV * V * 2 * 2 + HV * 4 * 2)
-    # per chunk and value head: KK^T, QK^T (2C^2K each), W,U (C^2(K+V)), WS, QS, K^T V (3 CKV), (QK^T)V (C^2V)
-    flops = B * HV * (T / C) * 2 * (2 * C * C * K + C * C * (K + V) + 3 * C * K * V + C * C * V)
-    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
+    """Roofline floor of the GDN chunk forward (gdngen.bench.floor_ms)."""
+    return bench_floor_ms(Case("prefill", B, T, H, HV, K, V), "fwd")
 
 
 def check_correctness(spec):

@@ -8,7 +8,7 @@ tokens/s against T per implementation is drawn from the rows by a small built-in
 (:func:`write_plot`; zlib only, no matplotlib).
 
 Row schema: ``{op, mode, impl, B, T, H, HV, K, V, dtype, ms, peak_mib}`` plus ``case``,
-``device``, ``tokens_per_s``, ``first_call_s``, ``floor_ms`` (forward, H200 only) or ``error``.
+``device``, ``tokens_per_s``, ``first_call_s``, ``floor_ms`` (GDN on an H200: the roofline floor of its mode) or ``error``.
 Failed rows carry ``error`` and ``ms: null``.  On CPU (Triton interpreter) the timings only show
 that the code runs; peak memory is ``null`` there.
 """
@@ -176,12 +176,20 @@ def load_impls(names: list[str], spec, module, device: str, log=print) -> dict[s
     return impls
 
 
-def floor_ms(case: Case) -> float:
-    """H200 roofline floor of the GDN chunk forward: q,k,v,g,beta read once, o written; matmul FLOPs."""
+def floor_ms(case: Case, mode: str = "fwd") -> float:
+    """H200 roofline floor of the GDN chunk op, bf16: every input, output and gradient crosses HBM once
+    (forward: q, k, v, g, beta in, o out; ``fwd+bwd`` adds q, k, v, g, beta, do in and dq, dk, dv, dg,
+    dbeta out); matmul FLOPs of the chunkwise forward, 3x that for forward+backward."""
+    if mode not in ("fwd", "fwd+bwd"):
+        raise ValueError(f"mode: expected 'fwd' or 'fwd+bwd', got {mode!r}")
     C, B, T, H, HV, K, V = 64, case.B, case.T, case.H, case.HV, case.K, case.V
-    bytes_moved = B * T * (2 * H * K * 2 + HV * V * 2 * 2 + HV * 4 * 2)
+    forward_bytes = 2 * H * K * 2 + HV * V * 2 * 2 + HV * 4 * 2
+    backward_bytes = (2 * H * K * 2 + 2 * HV * V * 2 + HV * 4 * 2) + (2 * H * K * 2 + HV * V * 2 + HV * 4 * 2)
+    per_token = forward_bytes + (backward_bytes if mode == "fwd+bwd" else 0)
+    # per chunk and value head: KK^T, QK^T (2C^2K each), W,U (C^2(K+V)), WS, QS, K^T V (3 CKV), (QK^T)V (C^2V)
     flops = B * HV * (T / C) * 2 * (2 * C * C * K + C * C * (K + V) + 3 * C * K * V + C * C * V)
-    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
+    flops *= 3 if mode == "fwd+bwd" else 1
+    return max(B * T * per_token / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
 
 
 # =============================================================================================
@@ -349,8 +357,8 @@ def run_bench(spec, plan: list[tuple[Case, tuple[str, ...]]], impls: dict[str, C
                     inputs_for = (case, mode)
                 row.update(measure_row(impls[name], inputs, mode, device, timer=timer))
                 row["tokens_per_s"] = case.B * case.T / row["ms"] * 1e3
-                if mode == "fwd" and spec.name == "gated_delta_rule" and "H200" in device_name:
-                    row["floor_ms"] = floor_ms(case)
+                if spec.name == "gated_delta_rule" and "H200" in device_name:
+                    row["floor_ms"] = floor_ms(case, mode)
             except Exception as exc:  # noqa: BLE001 - one failing implementation must not end the run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 if device == "cuda":

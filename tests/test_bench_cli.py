@@ -178,3 +178,14 @@ def test_default_out_path_names_the_device(tmp_path):
     path = bench.default_out_path("NVIDIA H200", tmp_path)
     assert path.parent == tmp_path / "benchmarks" / "results"
     assert path.name.startswith("h200_") and path.suffix == ".json"
+
+
+def test_roofline_floor_per_mode():
+    """One floor model for forward and forward+backward rows (the benchmark scripts call it too)."""
+    import pytest
+    from gdngen.bench import Case, floor_ms
+    case = Case("c", 1, 32768, 32, 32)
+    forward, training = floor_ms(case), floor_ms(case, "fwd+bwd")
+    assert 0 < forward < training <= 3 * forward + 1e-9
+    with pytest.raises(ValueError, match="mode"):
+        floor_ms(case, "bwd")
