@@ -28,3 +28,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """An empty user autotune cache and no shipped tables: only what a test writes is looked up."""
+    from gdngen.autotune import cache
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")
+    cache.clear_memo()
+    yield tmp_path
+    cache.clear_memo()

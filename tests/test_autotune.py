@@ -19,13 +19,7 @@ SHAPE = dict(K=128, V=128, BT=64, N=4, HV=32, dtype=BF16)
 SPEC = "gated_delta_rule"
 
 
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")
-    cache.clear_memo()
-    yield tmp_path
-    cache.clear_memo()
+pytestmark = pytest.mark.usefixtures("isolated_cache")    # conftest: an empty cache per test
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,7 @@ SPEC = "gated_delta_rule"
 RUNTIME = {s: space.runtime_stage(s) for s in space.BACKWARD_STAGES}
 
 
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")
-    cache.clear_memo()
-    yield tmp_path
-    cache.clear_memo()
+pytestmark = pytest.mark.usefixtures("isolated_cache")    # conftest: an empty cache per test
 
 
 def entry(config, **kw):

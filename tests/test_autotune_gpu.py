@@ -22,15 +22,6 @@ pytestmark = pytest.mark.gpu
 CASE = ShapeCase(2, 4096, 16, 32, 128, 128, dtype=torch.bfloat16)
 
 
-@pytest.fixture()
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")    # only this test's tuning counts
-    cache.clear_memo()
-    yield tmp_path
-    cache.clear_memo()
-
-
 def test_tuned_forward_no_slower_than_default_and_as_accurate(isolated_cache):
     spec = load_spec("specs/gated_delta_rule.yaml")
     module = importlib.import_module("generated.gated_delta_rule")
