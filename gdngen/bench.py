@@ -141,27 +141,88 @@ def _sdpa(inputs: dict):
         return F.scaled_dot_product_attention(qq, kk, v.transpose(1, 2), is_causal=True)
 
 
+@dataclass(frozen=True)
+class FlaPeer:
+    """How FLA 0.6.0's op of a spec's name is called on :func:`make_inputs`'s inputs (one row per spec).
+
+    ``args`` are input names passed positionally in FLA's parameter order; ``kwargs`` are fixed keyword
+    arguments (set to what gdngen's op does by default); ``gva``: FLA accepts ``HV`` a multiple of ``H``
+    (otherwise FLA's op asserts or mis-broadcasts, so a case with ``H != HV`` fails its row with a clear
+    error instead); ``env``: environment set before the import (backend switches).
+    """
+    module: str
+    function: str
+    args: tuple[str, ...]
+    kwargs: tuple[tuple[str, object], ...] = ()
+    gva: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+
+
+# Every catalogue spec beside FLA's op of the same name.  Input conventions match make_inputs without
+# conversion: g is the per-token log-decay ([B, T, HV] scalar, [B, T, HV, K] per key channel; FLA does
+# the chunk cumsum), beta post-sigmoid, no in-kernel l2norm / gate / beta-sigmoid (gdngen's defaults),
+# scale K ** -0.5 on both sides.  linear_attn: both ops default to normalize=True (passed explicitly).
+FLA_PEERS: dict[str, FlaPeer] = {
+    "linear_attn": FlaPeer("fla.ops.linear_attn", "chunk_linear_attn", ("q", "k", "v"), (("normalize", True),)),
+    "simple_gla": FlaPeer("fla.ops.simple_gla", "chunk_simple_gla", ("q", "k", "v", "g")),
+    "gla": FlaPeer("fla.ops.gla", "chunk_gla", ("q", "k", "v", "g")),
+    "delta_rule": FlaPeer("fla.ops.delta_rule", "chunk_delta_rule", ("q", "k", "v", "beta")),
+    # FLA_FLASH_QLA=0: time FLA's own Triton path, not its FlashQLA dispatch (FlashQLA is its own row)
+    "gated_delta_rule": FlaPeer("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", ("q", "k", "v", "g", "beta"),
+                                gva=True, env=(("FLA_FLASH_QLA", "0"),)),
+    # FLA's default dispatch otherwise (FlashKDA needs the in-kernel gate, so it never takes these calls)
+    "kda": FlaPeer("fla.ops.kda", "chunk_kda", ("q", "k", "v", "g", "beta"), gva=True),
+}
+GDN_ONLY_PEERS = ("flashqla", "sdpa")
+
+
+def fla_peer(spec_name: str, log=print) -> Optional[Callable]:
+    """``inputs -> o`` calling FLA's op named like the spec (:data:`FLA_PEERS`); None (logged) when FLA or
+    the op cannot be imported or the spec has no FLA counterpart."""
+    import importlib
+    peer = FLA_PEERS.get(spec_name)
+    if peer is None:
+        log(f"fla unavailable: no FLA op registered for {spec_name} in gdngen.bench.FLA_PEERS")
+        return None
+    for key, value in peer.env:
+        os.environ[key] = value
+    try:
+        fn = getattr(importlib.import_module(peer.module), peer.function)
+    except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
+        log(f"fla unavailable: {exc!r}"[:300])
+        return None
+    kwargs = dict(peer.kwargs)
+
+    def call(inputs: dict):
+        if not peer.gva:
+            H, HV = inputs["q"].shape[2], inputs["v"].shape[2]
+            if H != HV:
+                raise ValueError(f"FLA's {peer.function} takes H == HV only (got H={H}, HV={HV})")
+        return fn(*[inputs[n] for n in peer.args], **kwargs)[0]
+
+    call.__name__ = f"fla_{peer.function}"
+    return call
+
+
 def load_impls(names: list[str], spec, module, device: str, log=print) -> dict[str, Callable]:
     """Callables ``inputs -> o`` for the available implementations; a missing peer is logged, not fatal.
 
-    Peers implement Gated DeltaNet only, so they are offered for the ``gated_delta_rule`` spec only.
+    ``fla`` is FLA's op of the spec's name for every catalogue spec (:data:`FLA_PEERS`); FlashQLA and
+    SDPA are offered for ``gated_delta_rule`` only.
     """
     impls: dict[str, Callable] = {}
     chunk_fn = getattr(module, spec.chunk_function)
     if "gdngen" in names:
         impls["gdngen"] = lambda inputs: chunk_fn(**inputs)[0]
-    peers = [n for n in names if n != "gdngen"]
-    if peers and spec.name != "gated_delta_rule":
-        log(f"peers {peers} skipped: they implement gated_delta_rule, not {spec.name}")
-        return impls
-    gdn = ("q", "k", "v", "g", "beta")
     if "fla" in names:
-        os.environ["FLA_FLASH_QLA"] = "0"     # time FLA's own Triton path, not its FlashQLA dispatch
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-            impls["fla"] = lambda inputs: fla(*[inputs[n] for n in gdn])[0]
-        except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
-            log(f"fla unavailable: {exc!r}"[:300])
+        fn = fla_peer(spec.name, log=log)
+        if fn is not None:
+            impls["fla"] = fn
+    gdn_only = [n for n in names if n in GDN_ONLY_PEERS]
+    if gdn_only and spec.name != "gated_delta_rule":
+        log(f"peers {gdn_only} skipped: they implement gated_delta_rule, not {spec.name}")
+        return impls
+    gdn = FLA_PEERS["gated_delta_rule"].args
     if "flashqla" in names:
         try:
             from flash_qla import chunk_gated_delta_rule as flash_qla

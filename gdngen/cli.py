@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=None, help="issue (default on a GPU: the issue #10 cases), sweep (T 2k..128k), "
                    "names, or B,T,H,HV[,K,V] tuples separated by spaces or ';'")
     p.add_argument("--impls", default=None, help="comma-separated subset of gdngen,fla,flashqla,sdpa (default all "
-                   "that import)")
+                   "that import); fla is FLA's op of the spec's name, flashqla and sdpa are gated_delta_rule only")
     p.add_argument("--modes", default=None, help="comma-separated subset of fwd,fwd+bwd (default both)")
     p.add_argument("--dtype", default=None, help="bf16 (GPU default), fp16, fp32 (CPU default)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
