@@ -13,7 +13,7 @@ import torch
 import triton
 
 from gdngen.autotune import cache
-from gdngen.autotune.tuner import ShapeCase, tune
+from gdngen.autotune.tuner import ShapeCase, format_report, tune
 from gdngen.runtime import override
 from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
 from gdngen.spec import load_spec
@@ -32,21 +32,31 @@ def test_tuned_forward_no_slower_than_default_and_as_accurate(isolated_cache):
                          HV=CASE.HV, K=CASE.K, V=CASE.V)
     step = lambda: call(module, spec, inputs, output_final_state=True, chunk_size=64)  # noqa: E731
 
-    # tuned: the cache this run wrote (a winner beats the default by >= min_gain or is the default)
-    cache.clear_memo()
-    o_tuned, ht_tuned = step()
-    tuned_ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
-    # default: every stage pinned to its built-in default
-    pins = [override(spec.name, r.stage, **r.default.config) for r in report.results]
-    for pin in pins:
-        pin.__enter__()
-    try:
-        o_default, ht_default = step()
-        default_ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
-    finally:
-        for pin in reversed(pins):
-            pin.__exit__(None, None, None)
-    assert tuned_ms <= default_ms * 1.03, (tuned_ms, default_ms)      # 3%: run-to-run noise of do_bench
+    # tuned (the cache this run wrote; a winner beats the default by >= min_gain or is the default)
+    # against every stage pinned to its built-in default, timed in turns (A B A B: clock and
+    # cache warm-up fall on both), the best of each kept
+    def tuned():
+        cache.clear_memo()
+        return step()
+
+    def default():
+        pins = [override(spec.name, r.stage, **r.default.config) for r in report.results]
+        for pin in pins:
+            pin.__enter__()
+        try:
+            return step(), triton.testing.do_bench(step, warmup=100, rep=300, return_mode="median")
+        finally:
+            for pin in reversed(pins):
+                pin.__exit__(None, None, None)
+
+    o_tuned, ht_tuned = tuned()
+    (o_default, ht_default), _ = default()
+    tuned_ms, default_ms = [], []
+    for _ in range(2):
+        default_ms.append(default()[1])
+        tuned()
+        tuned_ms.append(triton.testing.do_bench(step, warmup=100, rep=300, return_mode="median"))
+    assert min(tuned_ms) <= min(default_ms) * 1.03, (tuned_ms, default_ms, format_report(report))   # 3%: noise
 
     # identical within bf16 tolerance to the default, and both right against float64
     assert rel_rmse(o_tuned, o_default) < 1e-2 and rel_rmse(ht_tuned, ht_default) < 1e-2
