@@ -1,0 +1,104 @@
+"""bf16 forward error on CPU: the interpreter made bf16-faithful (issue #7, kda K=20/V=100 on the H200).
+
+Triton's interpreter stores bf16 as uint16 and multiplies the raw bits in ``tl.dot`` (garbage), and
+its float32 -> bf16 cast truncates.  The ``bf16_interpreter`` fixture patches both for the test's
+duration: ``tl.dot`` upcasts bf16 operands to float32 and accumulates in float32 (as the tensor cores
+do), and the cast rounds to nearest even (as ``cvt.rn.bf16.f32`` does).  With that, the CPU reproduces
+the GPU tier's test_head_dims pattern: kda at K=20, V=100 is the one shape over the 5e-3 bar (o ~5.1e-3),
+with no NaN and float32 at 2e-7 on the same shape: a bf16 rounding budget that grows as K shrinks
+(K=64: 4.3e-3, K=32: 4.7e-3, K=20: 5.1e-3), not a masked-lane bug.  FLA stores the same
+intermediates (W, U, V_new, the chunk states) in bf16.
+"""
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
+from gdngen.spec import load_spec
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                                reason="patches the Triton interpreter (CPU tier)")
+
+
+@pytest.fixture
+def bf16_interpreter(monkeypatch):
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    dot, cast, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
+
+    def as_f32(x):
+        if x.dtype.scalar == tl.bfloat16:
+            return torch.from_numpy(np.ascontiguousarray(x.data)).view(torch.bfloat16).float().numpy()
+        return x.data.astype(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            return interp.TensorHandle(np.matmul(as_f32(a), as_f32(b), dtype=np.float32) + d.data, d.dtype.scalar)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def to_bf16(src):
+        t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+        return interp.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src)
+        return cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return to_bf16(src)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+    monkeypatch.setattr(builder, "create_fp_trunc", lambda self, src, dst_type: cast_impl(self, src, dst_type))
+    monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+
+
+def _forward_error(name, dtype, K, V):
+    """test_kernels_gpu.py::test_head_dims's case (seed 7, B=1, T=300, H=2, HV=4, chunk 64) on CPU."""
+    spec = load_spec(f"specs/{name}.yaml")
+    module = importlib.import_module(f"generated.{name}")
+    inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=7, B=1, T=300, H=2, HV=4, K=K, V=V)
+    o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=64)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    return rel_rmse(o, o_ref), rel_rmse(ht, ht_ref)
+
+
+def test_emulation_is_faithful_for_a_plain_dot(bf16_interpreter):
+    """The patched interpreter: bf16 x bf16 -> float32 matches torch, and the cast rounds to nearest."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(a, b, c, r, N: tl.constexpr):
+        o = tl.arange(0, N)
+        x = tl.load(a + o[:, None] * N + o[None, :])
+        y = tl.load(b + o[:, None] * N + o[None, :])
+        acc = tl.dot(x, y)
+        tl.store(c + o[:, None] * N + o[None, :], acc)
+        tl.store(r + o[:, None] * N + o[None, :], acc.to(tl.bfloat16))
+
+    a, b = torch.randn(16, 16).bfloat16(), torch.randn(16, 16).bfloat16()
+    c, r = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
+    kernel[(1,)](a, b, c, r, N=16)
+    expected = a.float() @ b.float()
+    assert torch.allclose(c, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(r, c.bfloat16())
+
+
+@pytest.mark.parametrize("K,V", [(20, 100), (64, 64)])
+def test_kda_bf16_head_dims_error_is_rounding_not_a_bug(bf16_interpreter, K, V):
+    o32, ht32 = _forward_error("kda", torch.float32, K, V)
+    assert o32 <= 1e-5 and ht32 <= 1e-5                  # the algorithm is exact at float32 on this shape
+    o, ht = _forward_error("kda", torch.bfloat16, K, V)
+    # finite (rel_rmse is inf on any NaN) and within 1.5x the GPU tier's bf16 bar; K=20 sits just over it
+    assert o <= 7.5e-3 and ht <= 7.5e-3, (o, ht)
+    if K == 64:
+        assert o <= 5e-3 and ht <= 5e-3, (o, ht)
