@@ -93,12 +93,14 @@ def test_emulation_is_faithful_for_a_plain_dot(bf16_interpreter):
     assert torch.equal(r, c.bfloat16())
 
 
-@pytest.mark.parametrize("K,V", [(20, 100), (64, 64)])
-def test_kda_bf16_head_dims_error_is_rounding_not_a_bug(bf16_interpreter, K, V):
+@pytest.mark.parametrize("K,V", [
+    pytest.param(20, 100, marks=pytest.mark.xfail(strict=True, reason=(
+        "issue #7, open: kda's bf16 o error at K=20 is 5.1e-3 against the 5e-3 bar (bf16 intermediates: "
+        "V_new in float32 gives 4.3e-3); strict, so a fix shows up here"))),
+    (64, 64),
+])
+def test_kda_bf16_head_dims_error(bf16_interpreter, K, V):
     o32, ht32 = _forward_error("kda", torch.float32, K, V)
     assert o32 <= 1e-5 and ht32 <= 1e-5                  # the algorithm is exact at float32 on this shape
     o, ht = _forward_error("kda", torch.bfloat16, K, V)
-    # finite (rel_rmse is inf on any NaN) and within 1.5x the GPU tier's bf16 bar; K=20 sits just over it
-    assert o <= 7.5e-3 and ht <= 7.5e-3, (o, ht)
-    if K == 64:
-        assert o <= 5e-3 and ht <= 5e-3, (o, ht)
+    assert o <= 5e-3 and ht <= 5e-3, (o, ht)             # the GPU tier's bf16 bar (tests/test_kernels_gpu.py)
