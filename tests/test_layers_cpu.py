@@ -34,6 +34,13 @@ CONV_CASES = {
     "varlen_no_state_two_splits": (1, 23, 20, 3, [2, 21], False, True, (16, 4), "silu"),
     "decode_T1": (3, 1, 20, 4, None, True, True, None, "silu"),
     "W1_no_activation": (2, 9, 10, 1, None, True, True, None, None),
+    # longer than one backward tile (64 rows owning 64 - W + 1 under the interpreter): the overlap
+    "multi_tile_state_bias": (2, 150, 24, 4, None, True, True, None, "silu"),
+    "multi_tile_W8_varlen": (1, 170, 20, 8, [5, 130, 35], True, True, (8, 12), "silu"),
+    "multi_tile_W2_no_activation": (1, 140, 16, 2, None, False, False, None, None),
+    # split boundaries on channel-block boundaries (128 under the interpreter): one load/store per block
+    "aligned_splits": (2, 130, 384, 4, None, False, False, (128, 128, 128), "silu"),
+    "aligned_two_splits_varlen_state": (1, 100, 384, 4, [70, 30], True, True, (256, 128), "silu"),
 }
 
 

@@ -71,6 +71,33 @@ def _split_offsets(o_r, o_d, m, D, S1, S2):
 
 
 @triton.jit
+def _block_output(y0, y1, y2, c0, D, S1, S2, NUM_OUT: tl.constexpr):
+    """(output, its row width, first column) of the channel block starting at c0, when every split
+    boundary is a multiple of the block width (the block lies in one output)."""
+    base, width, col = y0, S1, c0
+    if NUM_OUT > 1:
+        if c0 >= S1:
+            base, width, col = y1, S2 - S1, c0 - S1
+    if NUM_OUT > 2:
+        if c0 >= S2:
+            base, width, col = y2, D - S2, c0 - S2
+    return base, width, col
+
+
+@triton.jit
+def _load_out(dy0, dy1, dy2, o_r, o_d, m, c0, D, S1, S2, BD: tl.constexpr, NUM_OUT: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """float32 [rows, BD] of the split outputs' gradients.  ALIGNED (every split boundary a multiple
+    of BD): each channel block lies in one output, read with one load."""
+    if ALIGNED:
+        base, width, col = _block_output(dy0, dy1, dy2, c0, D, S1, S2, NUM_OUT)
+        b = tl.load(base + o_r[:, None] * width + (col + tl.arange(0, BD))[None, :], mask=m, other=0.).to(tl.float32)
+    else:
+        b = _load_split(dy0, dy1, dy2, o_r, o_d, m, D, S1, S2, NUM_OUT)
+    return b
+
+
+@triton.jit
 def _sequence_of_program(cu_seqlens, chunk_indices, i_c, i_b, T, IS_VARLEN: tl.constexpr):
     """(sequence, chunk within it, first row, end row) of a chunk program."""
     if IS_VARLEN:
@@ -96,7 +123,7 @@ def _short_conv_fwd_kernel(
     cu_seqlens, chunk_indices,
     T, D, S1, S2,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, USE_H0: tl.constexpr,
-    SILU: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_OUT: tl.constexpr,
+    SILU: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_OUT: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, eos = _sequence_of_program(cu_seqlens, chunk_indices, i_c, i_b, T, IS_VARLEN)
@@ -107,12 +134,17 @@ def _short_conv_fwd_kernel(
     if SILU:
         acc = acc * tl.sigmoid(acc)
     m = m_r[:, None] & m_d[None, :]
-    m0, m1, m2, p0, p1, p2 = _split_offsets(o_r, o_d, m, D, S1, S2)
-    tl.store(y0 + p0, acc.to(y0.dtype.element_ty), mask=m0)
-    if NUM_OUT > 1:
-        tl.store(y1 + p1, acc.to(y1.dtype.element_ty), mask=m1)
-    if NUM_OUT > 2:
-        tl.store(y2 + p2, acc.to(y2.dtype.element_ty), mask=m2)
+    if ALIGNED:     # the usual case: every channel block lies in one output (one store, no split masks)
+        base, width, col = _block_output(y0, y1, y2, i_d * BD, D, S1, S2, NUM_OUT)
+        tl.store(base + o_r[:, None] * width + (col + tl.arange(0, BD))[None, :], acc.to(y0.dtype.element_ty),
+                 mask=m)
+    else:
+        m0, m1, m2, p0, p1, p2 = _split_offsets(o_r, o_d, m, D, S1, S2)
+        tl.store(y0 + p0, acc.to(y0.dtype.element_ty), mask=m0)
+        if NUM_OUT > 1:
+            tl.store(y1 + p1, acc.to(y1.dtype.element_ty), mask=m1)
+        if NUM_OUT > 2:
+            tl.store(y2 + p2, acc.to(y2.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -169,37 +201,47 @@ def _short_conv_bwd_kernel(
     T, D, S1, S2,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, USE_H0: tl.constexpr,
     SILU: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_OUT: tl.constexpr, USE_DHT: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
-    """dx[t] = sum_j weight[W-1-j] * dpre[t + j] (same sequence); dweight, dbias as partial sums."""
+    """dx[t] = sum_j weight[W-1-j] * dpre[t + j] (same sequence); dweight, dbias as partial sums.
+
+    Tiles of BT rows step by BS = BT - W + 1 and overlap by W - 1: a program owns (writes dx of)
+    its first BS rows and reads the next W - 1 rows' output gradients.  The pre-activation and
+    dpre are formed once per tile row (one sigmoid per element); the shifted dpre[t + j] come
+    from the tile itself (tl.gather along time), not from a recomputation.
+    """
+    BS: tl.constexpr = BT - W + 1
     i_d, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_p = (i_b * tl.num_programs(1) + i_c).to(tl.int64)
     i_n, i_t, bos, eos = _sequence_of_program(cu_seqlens, chunk_indices, i_c, i_b, T, IS_VARLEN)
-    o_r = bos + i_t * BT + tl.arange(0, BT)
+    o_i = tl.arange(0, BT)
+    o_r = bos + i_t * BS + o_i
     o_d = i_d * BD + tl.arange(0, BD)
     m_r, m_d = o_r < eos, o_d < D
-    b_dx = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(W):
-        # the outputs t + j read input t through tap W - 1 - j; recompute their pre-activation
-        o_rj = o_r + j
-        m_rj = o_rj < eos
-        pre = _conv_pre(x, stride_x, weight, bias, h0, o_rj, o_d, m_rj, m_d, bos, i_n, D, W, BT, BD, HAS_BIAS, USE_H0)
-        dy = _load_split(dy0, dy1, dy2, o_rj, o_d, m_rj[:, None] & m_d[None, :], D, S1, S2, NUM_OUT)
-        dpre = _activation_grad(pre, dy, SILU)
+    own = m_r & (o_i < BS)
+    m = m_r[:, None] & m_d[None, :]
+    pre = _conv_pre(x, stride_x, weight, bias, h0, o_r, o_d, m_r, m_d, bos, i_n, D, W, BT, BD, HAS_BIAS, USE_H0)
+    dy = _load_out(dy0, dy1, dy2, o_r, o_d, m, i_d * BD, D, S1, S2, BD, NUM_OUT, ALIGNED)
+    dpre = _activation_grad(pre, dy, SILU)            # zero past eos: dy is masked there
+    b_dx = dpre * tl.load(weight + o_d * W + (W - 1), mask=m_d, other=0.).to(tl.float32)[None, :]
+    for j in tl.static_range(1, W):
+        # owned rows t < BS read t + j <= BT - 1: inside the tile
+        idx = tl.broadcast_to(tl.minimum(o_i + j, BT - 1)[:, None], [BT, BD])
         b_w = tl.load(weight + o_d * W + (W - 1 - j), mask=m_d, other=0.).to(tl.float32)
-        b_dx += dpre * b_w[None, :]
-        if j == 0:
-            # this program's own outputs: their share of dweight and dbias
-            if HAS_BIAS:
-                tl.store(db_part + i_p * D + o_d, tl.sum(dpre, axis=0), mask=m_d)
-            for w in tl.static_range(W):
-                b_x = _load_input(x, stride_x, h0, o_r - (W - 1) + w, o_d, m_r, m_d, bos, i_n, D, W, USE_H0)
-                tl.store(dw_part + (i_p * D + o_d) * W + w, tl.sum(dpre * b_x, axis=0), mask=m_d)
+        b_dx += tl.gather(dpre, idx, 0) * b_w[None, :]
+    # this program's own outputs: their share of dweight and dbias
+    dpre = tl.where(own[:, None], dpre, 0.)
+    if HAS_BIAS:
+        tl.store(db_part + i_p * D + o_d, tl.sum(dpre, axis=0), mask=m_d)
+    for w in tl.static_range(W):
+        b_x = _load_input(x, stride_x, h0, o_r - (W - 1) + w, o_d, own, m_d, bos, i_n, D, W, USE_H0)
+        tl.store(dw_part + (i_p * D + o_d) * W + w, tl.sum(dpre * b_x, axis=0), mask=m_d)
     if USE_DHT:
         # the final state holds the last W inputs: input t is its column t - (eos - W)
         col = o_r - (eos - W)
         b_dx += tl.load(dht + i_n * D * W + o_d[None, :] * W + tl.maximum(col, 0)[:, None],
-                        mask=(m_r & (col >= 0))[:, None] & m_d[None, :], other=0.).to(tl.float32)
-    tl.store(dx + o_r[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+                        mask=(own & (col >= 0))[:, None] & m_d[None, :], other=0.).to(tl.float32)
+    tl.store(dx + o_r[:, None] * D + o_d[None, :], b_dx.to(dx.dtype.element_ty), mask=own[:, None] & m_d[None, :])
 
 
 @triton.jit
@@ -246,6 +288,20 @@ def _tiles(x: torch.Tensor, D: int) -> tuple[int, int]:
     return 64, min(64, max(16, next_pow2(D)))
 
 
+def _bwd_tiles(x: torch.Tensor, D: int) -> tuple[int, int, int]:
+    """(BT, BD, num_warps) of the backward.  On the GPU 128 x 32 tiles at 4 warps: no spills, 218
+    registers, 2.6 warp instructions per element for sm_90 (64 x 64: 247 registers, 2.7 and 4.7% of
+    the rows computed twice; 8 warps: 111 registers but 3.4); BT - W + 1 rows are owned per tile."""
+    if x.device.type == "cpu":
+        return 64, min(128, max(16, next_pow2(D))), 4
+    return 128, min(32, max(16, next_pow2(D))), 4
+
+
+def _aligned(splits, BD: int) -> bool:
+    """Every split boundary on a channel-block boundary: each block reads/writes one output."""
+    return all(s % BD == 0 for s in splits[:-1])
+
+
 def _problem(x, cu_seqlens, BT):
     """(grid dims over chunks and batch, chunk_indices or None, N)."""
     B, T = x.shape[0], x.shape[1]
@@ -286,7 +342,7 @@ class _ShortConvFunction(torch.autograd.Function):
             _short_conv_fwd_kernel[(triton.cdiv(D, BD), NT, NB)](
                 x, stride_x, weight, bias, initial_state, y[0], y[1], y[2], cu_seqlens, chunk_indices,
                 T, D, S1, S2, W=W, BT=BT, BD=BD, HAS_BIAS=bias is not None, USE_H0=use_h0, SILU=silu,
-                IS_VARLEN=cu_seqlens is not None, NUM_OUT=len(outs),
+                IS_VARLEN=cu_seqlens is not None, NUM_OUT=len(outs), ALIGNED=_aligned(splits, BD),
             )
         if output_final_state:
             final_state = x.new_empty(N, D, W)
@@ -298,13 +354,13 @@ class _ShortConvFunction(torch.autograd.Function):
         else:
             final_state = x.new_empty(0)
             ctx.mark_non_differentiable(final_state)
-        ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens, chunk_indices)
+        ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
         ctx.meta = (stride_x, tuple(splits), S1, S2, silu, output_final_state, BT, BD, NT, NB, N)
         return (*outs, final_state)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, weight, bias, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
+        x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
         stride_x, splits, S1, S2, silu, output_final_state, BT, BD, NT, NB, N = ctx.meta
         B, T, D = x.shape[0], x.shape[1], weight.shape[0]
         W = weight.shape[1]
@@ -315,6 +371,9 @@ class _ShortConvFunction(torch.autograd.Function):
         dht = None if dht is None else dht.contiguous()
         use_h0, varlen = initial_state is not None, cu_seqlens is not None
         dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
+        # backward tiles of BT rows own BT - W + 1 of them (they overlap by the window's W - 1)
+        BT, BD, num_warps = _bwd_tiles(x, D)
+        NT, NB, chunk_indices, _ = _problem(x, cu_seqlens, BT - W + 1)
         P = NT * NB
         # every chunk program writes its whole slice of the partial sums: no zero fill needed
         dw_part = torch.empty(P, D, W, device=x.device, dtype=torch.float32)
@@ -324,7 +383,8 @@ class _ShortConvFunction(torch.autograd.Function):
         if P > 0 and D > 0:
             _short_conv_bwd_kernel[(triton.cdiv(D, BD), NT, NB)](
                 x, stride_x, weight, bias, initial_state, dy[0], dy[1], dy[2], dht, dx, dw_part, db_part,
-                cu_seqlens, chunk_indices, T, D, S1, S2, W=W, BT=BT, BD=BD, **flags,
+                cu_seqlens, chunk_indices, T, D, S1, S2, W=W, BT=BT, BD=BD, ALIGNED=_aligned(splits, BD), **flags,
+                num_warps=num_warps,
             )
         dh0 = None
         if use_h0 and ctx.needs_input_grad[3]:
