@@ -91,6 +91,29 @@ def test_short_conv_chained_calls_equal_one_call():
     assert torch.equal(state, h_full)
 
 
+def test_short_conv_writes_dx_into_a_wider_buffer():
+    """dx_into: x's gradient lands in a channel slice of a caller's buffer (a fused projection's
+    gradient), equal to the float64 gradient; a target that does not fit falls back to a new tensor."""
+    B, T, D, W = 2, 150, 24, 4
+    x64, w64, dy = _f64(B, T, D, seed=21), _f64(D, W, seed=22, scale=0.5), _f64(B, T, D, seed=23)
+    xr, wr = _leaf(x64, torch.float64), _leaf(w64, torch.float64)
+    y_ref, _ = short_conv_reference(xr, wr)
+    dx_ref, dw_ref = torch.autograd.grad((y_ref * dy).sum(), [xr, wr])
+    for into_shape, expect_in_place in (((B, T, D + 10), True), ((B, T, D), True), ((B, T + 1, D), False)):
+        buf = torch.full(into_shape, float("nan"))
+        target = buf[:, :T, 3:3 + D] if into_shape[-1] > D else buf[:, :T]
+        if into_shape[1] != T:
+            target = buf                           # wrong shape: not used
+        x, w = _leaf(x64), _leaf(w64)
+        with poisoned_memory():
+            y, _ = short_conv(x, w, dx_into=lambda: target, splits=(8, 16))
+        dx, dw = torch.autograd.grad((torch.cat(y, -1) * dy.float()).sum(), [x, w])
+        assert (dx.data_ptr() == target.data_ptr()) == expect_in_place
+        assert rel_rmse(dx, dx_ref) < 1e-5 and rel_rmse(dw, dw_ref) < 1e-5
+        if expect_in_place and into_shape[-1] > D:
+            assert torch.isnan(buf[..., :3]).all() and torch.isnan(buf[..., 3 + D:]).all()   # nothing else written
+
+
 # ---- gated RMSNorm ----------------------------------------------------------------------------
 
 NORM_CASES = {
@@ -127,6 +150,24 @@ def test_gated_rms_norm_matches_torch(case):
     assert rel_rmse(y, y_ref) < 1e-6
     for got, want in zip(grads, g_ref):
         assert rel_rmse(got, want) < 1e-6
+
+
+def test_gated_rms_norm_writes_dgate_into_a_projection_slice():
+    """dgate_into: the gate's gradient lands in place in a head slice of a wider [B, T, N] buffer."""
+    B, T, G, V = 2, 5, 4, 16
+    x64, z64, w64, dy = _f64(B, T, G, V, seed=31), _f64(B, T, G, V, seed=32), _f64(V, seed=33), _f64(B, T, G, V, seed=34)
+    refs = [_leaf(t, torch.float64) for t in (x64, z64, w64)]
+    g_ref = torch.autograd.grad((gated_rms_norm_reference(*refs, 1e-5) * dy).sum(), refs)
+    buf = torch.full((B, T, 3 * G * V), float("nan"))
+    target = buf[..., G * V:2 * G * V].view(B, T, G, V)
+    x, z, w = (_leaf(t) for t in (x64, z64, w64))
+    with poisoned_memory():
+        y = gated_rms_norm(x, z, w, 1e-5, dgate_into=lambda: target)
+    grads = torch.autograd.grad((y * dy.float()).sum(), [x, z, w])
+    assert grads[1].data_ptr() == target.data_ptr() and grads[1].stride() == target.stride()
+    for got, want in zip(grads, g_ref):
+        assert rel_rmse(got, want) < 1e-6
+    assert torch.isnan(buf[..., :G * V]).all() and torch.isnan(buf[..., 2 * G * V:]).all()
 
 
 # ---- bad arguments ----------------------------------------------------------------------------
@@ -189,6 +230,76 @@ def test_module_forward_backward_match_float64_reference():
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
         assert rel_rmse(p.grad, ref_params[name].grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("options", [dict(conv_bias=True), dict(use_gate=False), dict(conv_bias=True, masked=True)])
+def test_module_backward_writes_the_projection_gradient_in_place(monkeypatch, options):
+    """Training: one fused projection; the conv and the gated norm write their input gradients into one
+    [B, T, N] buffer (no concatenation copy); x and every parameter gradient equal float64's, over
+    several conv tiles (T = 150) and through a second backward of the same graph (retain_graph)."""
+    from gdngen.layers import gated_deltanet as module
+    options = dict(options)
+    masked = options.pop("masked", False)
+    layer, ref = _pair(chunk_size=64, **options)
+    seen = []
+    original = module._SplitProjection.in_place
+    monkeypatch.setattr(module._SplitProjection, "in_place",
+                        staticmethod(lambda g, target: seen.append(original(g, target)) or seen[-1]))
+    B, T = 2, 150
+    x64, dy = _f64(B, T, 32, seed=41), _f64(B, T, 32, seed=42)
+    mask = None
+    if masked:
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[1, :17] = 0
+    x, xr = _leaf(x64), _leaf(x64, torch.float64)
+    y, y_ref = layer(x, attention_mask=mask), ref(xr, attention_mask=mask)
+    assert rel_rmse(y, y_ref) < 1e-5
+    (y_ref * dy).sum().backward()
+    (y * dy.float()).sum().backward(retain_graph=True)
+    pieces = 4 if layer.use_gate else 3                     # conv input, [z], a, b
+    assert seen[:pieces - 2] == [True] * (pieces - 2) and seen[pieces - 2:pieces] == [False, False], seen
+    ref_params = dict(ref.named_parameters())
+    first = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    assert rel_rmse(x.grad, xr.grad) < 1e-5
+    for name, p in layer.named_parameters():
+        assert rel_rmse(p.grad, ref_params[name].grad) < 1e-5, name
+    dx_first = x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    (y * dy.float()).sum().backward()                       # the same graph again: a new buffer, same result
+    assert torch.equal(x.grad, dx_first)
+    for name, p in layer.named_parameters():
+        assert torch.equal(p.grad, first[name]), name
+
+
+def test_conv_and_norm_bf16_close_to_float64_reference():
+    """bf16 storage through the conv (aligned splits, several tiles, in-place dx) and the gated norm
+    (in-place dgate) against float64: loose (the interpreter's float32 -> bf16 cast truncates)."""
+    B, T, D, W = 1, 140, 384, 4
+    x64, w64, b64, dy = _f64(B, T, D, seed=51), _f64(D, W, seed=52, scale=0.5), _f64(D, seed=53), _f64(B, T, D, seed=54)
+    refs = [_leaf(t, torch.float64) for t in (x64, w64, b64)]
+    y_ref, _ = short_conv_reference(*refs)
+    g_ref = torch.autograd.grad((y_ref * dy).sum(), refs)
+    buf = torch.empty(B, T, D + 128, dtype=torch.bfloat16)
+    leaves = [_leaf(t, torch.bfloat16) for t in (x64, w64, b64)]
+    y, _ = short_conv(*leaves, splits=(128, 128, 128), dx_into=lambda: buf[..., :D])
+    grads = torch.autograd.grad((torch.cat(y, -1) * dy.bfloat16()).sum(), leaves)
+    assert rel_rmse(torch.cat(y, -1), y_ref) < 1e-2
+    for got, want in zip(grads, g_ref):
+        assert rel_rmse(got, want) < 1e-2
+
+    G, V = 4, 32
+    n64, z64, nw64, ndy = (_f64(B, T, G, V, seed=55), _f64(B, T, G, V, seed=56), _f64(V, seed=57) * 0.2 + 1,
+                           _f64(B, T, G, V, seed=58))
+    refs = [_leaf(t, torch.float64) for t in (n64, z64, nw64)]
+    g_ref = torch.autograd.grad((gated_rms_norm_reference(*refs, 1e-5) * ndy).sum(), refs)
+    zbuf = torch.empty(B, T, 2 * G * V, dtype=torch.bfloat16)
+    leaves = [_leaf(t, torch.bfloat16) for t in (n64, z64, nw64)]
+    out = gated_rms_norm(*leaves, 1e-5, dgate_into=lambda: zbuf[..., G * V:].view(B, T, G, V))
+    grads = torch.autograd.grad((out * ndy.bfloat16()).sum(), leaves)
+    assert grads[1].data_ptr() == zbuf[..., G * V:].data_ptr()
+    for got, want in zip(grads, g_ref):
+        assert rel_rmse(got, want) < 1e-2
 
 
 def test_prefill_then_decode_equals_full_forward():

@@ -41,6 +41,50 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, form="chunked", **options):
     return o.to(v.dtype), final_state
 
 
+class _ProjectionGrad:
+    """The gradient of the fused projection's output ``[B, T, N]``, allocated once in the backward:
+    the conv and gated-norm kernels write their input gradients into its column slices in place, so
+    no concatenation of per-piece gradients follows (``torch.split``'s backward copies them all)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = tuple(like.shape), like.dtype, like.device
+        self.buf: Optional[torch.Tensor] = None
+
+    def slice(self, start: int, width: int) -> torch.Tensor:
+        if self.buf is None:
+            self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.buf.narrow(-1, start, width)
+
+
+class _SplitProjection(torch.autograd.Function):
+    """``proj.split(widths, -1)`` whose backward hands back the shared :class:`_ProjectionGrad`
+    buffer, copying in only the pieces whose gradient was not already written there."""
+
+    @staticmethod
+    def forward(ctx, proj, widths, grad):
+        ctx.widths, ctx.grad = widths, grad
+        ctx.set_materialize_grads(False)
+        return tuple(proj.split(list(widths), dim=-1))
+
+    @staticmethod
+    def in_place(g: torch.Tensor, target: torch.Tensor) -> bool:
+        """Whether the gradient ``g`` already is ``target`` (written there by its kernel)."""
+        return g.data_ptr() == target.data_ptr() and g.shape == target.shape and g.stride() == target.stride()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        arena, start = ctx.grad, 0
+        for width, g in zip(ctx.widths, grads):
+            target = arena.slice(start, width)
+            if g is None:
+                target.zero_()
+            elif not _SplitProjection.in_place(g, target):
+                target.copy_(g)
+            start += width
+        out, arena.buf = arena.buf, None          # a second backward (retain_graph) starts a new buffer
+        return out, None, None
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer (Qwen3-Next's linear-attention block) on gdngen kernels.
 
@@ -201,12 +245,21 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, x, cu_seqlens, state: Optional[LayerState], output_final_state: bool):
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
-        proj = self.qkvz_proj(x)
-        if self.use_gate:
-            conv_in, z = proj.split([self.conv_dim, self.value_dim], dim=-1)
-        else:
-            conv_in, z = proj, None
-        a, b = self.ab_proj(x).split([HV, HV], dim=-1)
+        widths = (self.conv_dim,) + ((self.value_dim,) if self.use_gate else ()) + (HV, HV)
+        grad = None
+        if self.kernels == "gdngen" and torch.is_grad_enabled() and (
+                x.requires_grad or self.qkvz_proj.weight.requires_grad or self.ab_proj.weight.requires_grad):
+            # training: one matmul for q, k, v, z, a, b (the weights concatenated, a copy of 2 bytes per
+            # weight; the [hidden, 2 HV] product alone is far from the tensor cores' rate and its input
+            # gradient would be a second [B, T, hidden] product plus an add), and one gradient buffer
+            # for its output that the conv and norm kernels write in place (no concatenation copy)
+            proj = F.linear(x, torch.cat([self.qkvz_proj.weight, self.ab_proj.weight], dim=0))
+            grad = _ProjectionGrad(proj)
+            pieces = _SplitProjection.apply(proj, widths, grad)
+        else:           # inference: two matmuls, no weight copy per call (decode reads each weight once)
+            pieces = self.qkvz_proj(x).split(list(widths[:-2]), dim=-1) + self.ab_proj(x).split([HV, HV], dim=-1)
+        conv_in, z = (pieces[0], pieces[1]) if self.use_gate else (pieces[0], None)
+        a, b = pieces[-2], pieces[-1]
         conv_h0 = state.conv_state if state is not None else None
         rec_h0 = state.recurrent_state if state is not None else None
         conv_args = dict(activation="silu", cu_seqlens=cu_seqlens, initial_state=conv_h0,
@@ -217,6 +270,8 @@ class GatedDeltaNet(nn.Module):
                         allow_neg_eigval=self.allow_neg_eigval)
         recurrence = self._use_recurrence(x)
         if self.kernels == "gdngen":
+            if grad is not None:
+                conv_args["dx_into"] = lambda: grad.slice(0, self.conv_dim)
             (q, k, v), conv_state = short_conv(conv_in, self.conv_weight, self.conv_bias,
                                                splits=(self.key_dim, self.key_dim, self.value_dim), **conv_args)
             q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V)
@@ -226,7 +281,10 @@ class GatedDeltaNet(nn.Module):
                 o, recurrent_state = _gdn().chunk_gated_delta_rule(q, k, v, a, b, chunk_size=self.chunk_size,
                                                                    **gdn_args)
             zv = z.view(B, T, HV, V) if z is not None else None
-            o = gated_rms_norm(o, zv, self.norm_weight, self.norm_eps)
+            dz_into = None
+            if grad is not None and z is not None:
+                dz_into = lambda: grad.slice(self.conv_dim, self.value_dim).view(B, T, HV, V)  # noqa: E731
+            o = gated_rms_norm(o, zv, self.norm_weight, self.norm_eps, dgate_into=dz_into)
         else:
             qkv, conv_state = short_conv_reference(conv_in, self.conv_weight, self.conv_bias, **conv_args)
             q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

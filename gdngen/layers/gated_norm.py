@@ -12,7 +12,7 @@ projection), so the output gate ``z`` is read in place from the fused projection
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -72,7 +72,7 @@ def _gated_rms_norm_fwd_kernel(
 @triton.jit
 def _gated_rms_norm_bwd_kernel(
     x, z, weight, rstd, dy, dx, dz, dw_part,
-    R, G, sx0, sx1, sz0, sz1, NB,
+    R, G, sx0, sx1, sz0, sz1, sdz0, sdz1, NB,
     V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ACT: tl.constexpr,
 ):
@@ -99,7 +99,8 @@ def _gated_rms_norm_bwd_kernel(
             b_dz = b_dyn * _gate_grad(b_z, ACT)
             if HAS_WEIGHT:
                 b_dz *= b_w[None, :]
-            tl.store(dz + o_r[:, None] * V + o_v[None, :], b_dz.to(dz.dtype.element_ty), mask=m)
+            tl.store(dz + _row_offsets(o_r, G, sdz0, sdz1)[:, None] + o_v[None, :], b_dz.to(dz.dtype.element_ty),
+                     mask=m)
             b_dy = b_dy * b_a
         if HAS_WEIGHT:
             b_dw += tl.sum(b_dy * b_n, axis=0)
@@ -134,7 +135,7 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 class _GatedRMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, z, weight, eps, act):
+    def forward(ctx, x, z, weight, eps, act, dz_into=None):
         shape = x.shape
         V = shape[-1]
         xr, Gx, sx0, sx1 = _as_rows(x)
@@ -157,6 +158,7 @@ class _GatedRMSNormFunction(torch.autograd.Function):
             )
         ctx.save_for_backward(xr, zr, weight, rstd)
         ctx.meta = (shape, None if z is None else z.shape, Gx, sx0, sx1, sz0, sz1, BR, BV, act)
+        ctx.dz_into = dz_into
         return y
 
     @staticmethod
@@ -167,17 +169,35 @@ class _GatedRMSNormFunction(torch.autograd.Function):
         R = rstd.numel()
         dy = dy.contiguous()
         dx = torch.empty(shape, device=dy.device, dtype=xr.dtype)
-        dz = torch.empty(z_shape, device=dy.device, dtype=zr.dtype) if zr is not None else None
+        dz, sdz0, sdz1 = None, 0, 0
+        if zr is not None:
+            dz, sdz0, sdz1 = _gate_gradient_target(ctx.dz_into, z_shape, zr, G)
+        ctx.dz_into = None
         NB = triton.cdiv(R, BR)
         P = max(1, min(NB, 4 * _sm_count(dy.device)))
         dw_part = torch.zeros(P, V, device=dy.device, dtype=torch.float32) if weight is not None else None
         if R > 0:
             _gated_rms_norm_bwd_kernel[(P,)](
-                xr, zr, weight, rstd, dy, dx, dz, dw_part, R, G, sx0, sx1, sz0, sz1, NB,
+                xr, zr, weight, rstd, dy, dx, dz, dw_part, R, G, sx0, sx1, sz0, sz1, sdz0, sdz1, NB,
                 V=V, BR=BR, BV=BV, HAS_GATE=zr is not None, HAS_WEIGHT=weight is not None, ACT=act,
             )
         dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
-        return dx, dz, dw, None, None
+        return dx, dz, dw, None, None, None
+
+
+def _gate_gradient_target(into, shape, like: torch.Tensor, G: int) -> tuple[torch.Tensor, int, int]:
+    """(dz, its row strides s0, s1 over [M, G, V] rows): ``into()`` when it has the gate's shape and
+    folds into G-row groups without a copy (e.g. a head slice of a fused projection's gradient), else
+    a new contiguous tensor."""
+    V = shape[-1]
+    if into is not None:
+        target = into()
+        if tuple(target.shape) == tuple(shape) and target.dtype == like.dtype and target.device == like.device \
+                and target.numel() > 0 and target.stride(-1) == 1:
+            rows, Gt, s0, s1 = _as_rows(target)
+            if rows.data_ptr() == target.data_ptr() and (Gt == G or (G == 1 and Gt * V == s0 and s1 == V)):
+                return target, (s0 if Gt == G else V), (s1 if Gt == G else 0)
+    return torch.empty(shape, device=like.device, dtype=like.dtype), G * V, V
 
 
 def _sm_count(device: torch.device) -> int:
@@ -192,6 +212,7 @@ def gated_rms_norm(
     weight: Optional[torch.Tensor],
     eps: float = 1e-6,
     activation: str = "silu",
+    dgate_into: Optional[Callable[[], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Fused ``rmsnorm(x) * weight * act(gate)`` over the last axis (float32 math, x's dtype out).
 
@@ -201,6 +222,9 @@ def gated_rms_norm(
         weight: ``[V]`` scale, or None.
         eps: added to the mean square.
         activation: ``"silu"`` (= ``"swish"``) or ``"sigmoid"`` on the gate.
+        dgate_into: called in the backward, returns the tensor (gate's shape, last axis contiguous,
+            e.g. a head slice of a fused projection's gradient) the gate's gradient is written into in
+            place; None (or a tensor that does not fit): a new one.
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x: expected a floating-point torch.Tensor, got {type(x).__name__}")
@@ -228,7 +252,7 @@ def gated_rms_norm(
     if V > 8192:
         raise ValueError(f"x: row width V={V} above 8192 (one row per tile)")
     check_backend(x)
-    return _GatedRMSNormFunction.apply(x, gate, weight, float(eps), _ACTIVATIONS[activation])
+    return _GatedRMSNormFunction.apply(x, gate, weight, float(eps), _ACTIVATIONS[activation], dgate_into)
 
 
 def gated_rms_norm_reference(x, gate, weight, eps=1e-6, activation="silu"):
