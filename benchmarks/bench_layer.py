@@ -11,8 +11,10 @@ dim 128, B=4, T=8192, bf16.  One process:
 3. the gdngen chunk op alone (forward+backward), to show how much of the layer is the GDN op.
 
 Every row is appended to $OUT/layer.jsonl as soon as it is measured; a table is printed last.
+``--profile``: per implementation, a torch.profiler table of the CUDA kernels of a few forward+backward
+steps (time per step, sorted by total GPU time) to $OUT/layer_profile_<impl>.txt (and printed).
 
-    python benchmarks/bench_layer.py [--impls gdngen,fla] [--B 4 --T 8192]
+    python benchmarks/bench_layer.py [--impls gdngen,fla] [--B 4 --T 8192] [--profile]
 """
 from __future__ import annotations
 
@@ -111,6 +113,12 @@ def bench_impl(impl: str, args) -> dict | None:
     fwd_ms = triton.testing.do_bench(fwd, warmup=args.warmup_ms, rep=args.rep_ms)
     fwd_bwd_ms = triton.testing.do_bench(fwd_bwd, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=[x] + params)
 
+    if args.profile:
+        try:
+            profile_kernels(impl, fwd_bwd, [x] + params, steps=5)
+        except Exception as exc:  # noqa: BLE001 - the timing rows matter more than the profile
+            print(f"{impl} profile failed: {exc!r}", flush=True)
+
     for p in [x] + params:
         p.grad = None
     torch.cuda.synchronize()
@@ -129,6 +137,38 @@ def bench_impl(impl: str, args) -> dict | None:
     del layer, x, dy, params
     torch.cuda.empty_cache()
     return row
+
+
+def profile_kernels(impl: str, step, leaves, steps: int) -> None:
+    """The CUDA kernels of ``steps`` forward+backward steps, per step, to $OUT/layer_profile_<impl>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for p in leaves:
+                p.grad = None
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows) / steps / 1e3
+    if not rows or total <= 0:            # another torch's event attributes: its own table
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40), flush=True)
+        return
+    lines = [f"{impl}: CUDA kernels of one forward+backward step ({steps} steps averaged), {total:.3f} ms in all",
+             f"{'ms/step':>8} {'share':>6} {'calls/step':>10}  kernel"]
+    for e in rows:
+        ms = e.device_time_total / steps / 1e3
+        lines.append(f"{ms:8.3f} {ms / total:6.1%} {e.count / steps:10.1f}  {e.key[:150]}")
+    text = "\n".join(lines)
+    path = os.path.join(OUT, f"layer_profile_{impl}.txt")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    print(text, flush=True)
+    log(dict(kind="profile", impl=impl, kernels_ms_per_step=round(total, 3), file=path,
+             top=[dict(kernel=e.key[:120], ms=round(e.device_time_total / steps / 1e3, 3)) for e in rows[:12]]))
 
 
 def bench_op_only(args) -> None:
@@ -166,6 +206,8 @@ def main() -> None:
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     parser.add_argument("--no-check", action="store_true", help="skip the small-shape correctness check")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel CUDA time of a forward+backward step (torch.profiler) to $OUT")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_layer needs a CUDA GPU")
