@@ -282,19 +282,23 @@ def _short_conv_state_bwd_kernel(
         tl.store(dh0 + i_n * D * W + o_d * W + c, acc.to(dh0.dtype.element_ty), mask=m_d)
 
 
-def _tiles(x: torch.Tensor, D: int) -> tuple[int, int]:
-    """(BT, BD): wide channel blocks under the interpreter (fewer programs), 64 x 64 on the GPU."""
+def _tiles(x: torch.Tensor, D: int, use_h0: bool = False) -> tuple[int, int]:
+    """(BT, BD): wide channel blocks under the interpreter (fewer programs), 64 x 64 on the GPU; with
+    a conv state 64 x 32 (its per-element state loads spill at 64 x 64: 220 bytes, sm_90 offline)."""
     if x.device.type == "cpu":
         return 64, min(128, max(16, next_pow2(D)))
-    return 64, min(64, max(16, next_pow2(D)))
+    return 64, min(32 if use_h0 else 64, max(16, next_pow2(D)))
 
 
-def _bwd_tiles(x: torch.Tensor, D: int) -> tuple[int, int, int]:
+def _bwd_tiles(x: torch.Tensor, D: int, use_h0: bool = False) -> tuple[int, int, int]:
     """(BT, BD, num_warps) of the backward.  On the GPU 128 x 32 tiles at 4 warps: no spills, 218
     registers, 2.6 warp instructions per element for sm_90 (64 x 64: 247 registers, 2.7 and 4.7% of
-    the rows computed twice; 8 warps: 111 registers but 3.4); BT - W + 1 rows are owned per tile."""
+    the rows computed twice; 8 warps: 111 registers but 3.4); BT - W + 1 rows are owned per tile.
+    With a conv state 64 x 16 (128 x 32 spills 56-80 bytes, 350+ varlen)."""
     if x.device.type == "cpu":
         return 64, min(128, max(16, next_pow2(D))), 4
+    if use_h0:
+        return 64, 16, 4
     return 128, min(32, max(16, next_pow2(D))), 4
 
 
@@ -332,7 +336,7 @@ class _ShortConvFunction(torch.autograd.Function):
         x, stride_x = _row_stride(x)
         weight = weight.contiguous()
         initial_state = None if initial_state is None else initial_state.contiguous()
-        BT, BD = _tiles(x, D)
+        BT, BD = _tiles(x, D, initial_state is not None)
         NT, NB, chunk_indices, N = _problem(x, cu_seqlens, BT)
         S1, S2 = (splits[0], splits[0] + splits[1]) if len(splits) == 3 else \
             ((splits[0], D) if len(splits) == 2 else (D, D))
@@ -376,7 +380,7 @@ class _ShortConvFunction(torch.autograd.Function):
         ctx.dx_into = None
         dx_rows, stride_dx = _row_stride(dx)
         # backward tiles of BT rows own BT - W + 1 of them (they overlap by the window's W - 1)
-        BT, BD, num_warps = _bwd_tiles(x, D)
+        BT, BD, num_warps = _bwd_tiles(x, D, initial_state is not None)
         NT, NB, chunk_indices, _ = _problem(x, cu_seqlens, BT - W + 1)
         P = NT * NB
         # every chunk program writes its whole slice of the partial sums: no zero fill needed
