@@ -91,29 +91,6 @@ def test_short_conv_chained_calls_equal_one_call():
     assert torch.equal(state, h_full)
 
 
-def test_short_conv_writes_dx_into_a_wider_buffer():
-    """dx_into: x's gradient lands in a channel slice of a caller's buffer (a fused projection's
-    gradient), equal to the float64 gradient; a target that does not fit falls back to a new tensor."""
-    B, T, D, W = 2, 150, 24, 4
-    x64, w64, dy = _f64(B, T, D, seed=21), _f64(D, W, seed=22, scale=0.5), _f64(B, T, D, seed=23)
-    xr, wr = _leaf(x64, torch.float64), _leaf(w64, torch.float64)
-    y_ref, _ = short_conv_reference(xr, wr)
-    dx_ref, dw_ref = torch.autograd.grad((y_ref * dy).sum(), [xr, wr])
-    for into_shape, expect_in_place in (((B, T, D + 10), True), ((B, T, D), True), ((B, T + 1, D), False)):
-        buf = torch.full(into_shape, float("nan"))
-        target = buf[:, :T, 3:3 + D] if into_shape[-1] > D else buf[:, :T]
-        if into_shape[1] != T:
-            target = buf                           # wrong shape: not used
-        x, w = _leaf(x64), _leaf(w64)
-        with poisoned_memory():
-            y, _ = short_conv(x, w, dx_into=lambda: target, splits=(8, 16))
-        dx, dw = torch.autograd.grad((torch.cat(y, -1) * dy.float()).sum(), [x, w])
-        assert (dx.data_ptr() == target.data_ptr()) == expect_in_place
-        assert rel_rmse(dx, dx_ref) < 1e-5 and rel_rmse(dw, dw_ref) < 1e-5
-        if expect_in_place and into_shape[-1] > D:
-            assert torch.isnan(buf[..., :3]).all() and torch.isnan(buf[..., 3 + D:]).all()   # nothing else written
-
-
 # ---- gated RMSNorm ----------------------------------------------------------------------------
 
 NORM_CASES = {
@@ -234,16 +211,16 @@ def test_module_forward_backward_match_float64_reference():
 
 @pytest.mark.parametrize("options", [dict(conv_bias=True), dict(use_gate=False), dict(conv_bias=True, masked=True)])
 def test_module_backward_writes_the_projection_gradient_in_place(monkeypatch, options):
-    """Training: one fused projection; the conv writes its input gradient into the [B, T, N] buffer of
-    the projection's gradient in place (z, a, b are copied in); x and every parameter gradient equal
-    float64's, over several conv tiles (T = 150) and through a second backward of the same graph."""
+    """Training: the projections as two products (conv input; z | a | b); the gated norm writes dz into
+    the second one's gradient buffer in place (a, b are copied in); x and every parameter gradient
+    equal float64's, over several conv tiles (T = 150) and through a second backward of the graph."""
     from gdngen.layers import gated_deltanet as module
     options = dict(options)
     masked = options.pop("masked", False)
     layer, ref = _pair(chunk_size=64, **options)
     seen = []
-    original = module._SplitProjection.in_place
-    monkeypatch.setattr(module._SplitProjection, "in_place",
+    original = module._Projection.in_place
+    monkeypatch.setattr(module._Projection, "in_place",
                         staticmethod(lambda g, target: seen.append(original(g, target)) or seen[-1]))
     B, T = 2, 150
     x64, dy = _f64(B, T, 32, seed=41), _f64(B, T, 32, seed=42)
@@ -256,8 +233,8 @@ def test_module_backward_writes_the_projection_gradient_in_place(monkeypatch, op
     assert rel_rmse(y, y_ref) < 1e-5
     (y_ref * dy).sum().backward()
     (y * dy.float()).sum().backward(retain_graph=True)
-    pieces = 4 if layer.use_gate else 3                     # conv input, [z], a, b
-    assert seen[:pieces] == [True] + [False] * (pieces - 1), seen
+    expected = [True, False, False] if layer.use_gate else [False, False]      # [z], a, b
+    assert seen[:len(expected)] == expected, seen
     ref_params = dict(ref.named_parameters())
     first = {name: p.grad.clone() for name, p in layer.named_parameters()}
     assert rel_rmse(x.grad, xr.grad) < 1e-5
@@ -273,16 +250,15 @@ def test_module_backward_writes_the_projection_gradient_in_place(monkeypatch, op
 
 
 def test_conv_and_norm_bf16_close_to_float64_reference():
-    """bf16 storage through the conv (aligned splits, several tiles, in-place dx) and the gated norm
+    """bf16 storage through the conv (aligned splits, several tiles) and the gated norm
     (in-place dgate) against float64: loose (the interpreter's float32 -> bf16 cast truncates)."""
     B, T, D, W = 1, 140, 384, 4
     x64, w64, b64, dy = _f64(B, T, D, seed=51), _f64(D, W, seed=52, scale=0.5), _f64(D, seed=53), _f64(B, T, D, seed=54)
     refs = [_leaf(t, torch.float64) for t in (x64, w64, b64)]
     y_ref, _ = short_conv_reference(*refs)
     g_ref = torch.autograd.grad((y_ref * dy).sum(), refs)
-    buf = torch.empty(B, T, D + 128, dtype=torch.bfloat16)
     leaves = [_leaf(t, torch.bfloat16) for t in (x64, w64, b64)]
-    y, _ = short_conv(*leaves, splits=(128, 128, 128), dx_into=lambda: buf[..., :D])
+    y, _ = short_conv(*leaves, splits=(128, 128, 128))
     grads = torch.autograd.grad((torch.cat(y, -1) * dy.bfloat16()).sum(), leaves)
     assert rel_rmse(torch.cat(y, -1), y_ref) < 1e-2
     for got, want in zip(grads, g_ref):

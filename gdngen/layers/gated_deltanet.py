@@ -41,31 +41,45 @@ def gated_delta_rule_reference(q, k, v, g, beta, *, form="chunked", **options):
     return o.to(v.dtype), final_state
 
 
-class _ProjectionGrad:
-    """The gradient of the fused projection's output ``[B, T, N]``, allocated once in the backward
-    (by the first piece's kernel that asks for it): the conv kernel writes its input gradient into its
-    column slice in place, so no concatenation of per-piece gradients follows (``torch.split``'s
-    backward copies them all); the other pieces are copied in."""
+class _GateGrad:
+    """The gradient buffer ``[B, T, value_dim + 2 HV]`` of the second projection product (z | a | b),
+    allocated by the gated norm's backward, which writes dz into its first columns in place."""
 
-    def __init__(self, like: torch.Tensor) -> None:
-        self.shape, self.dtype, self.device = tuple(like.shape), like.dtype, like.device
+    def __init__(self, shape, dtype, device, value_dim: int, heads: int) -> None:
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.value_dim, self.heads = value_dim, heads
         self.buf: Optional[torch.Tensor] = None
 
-    def slice(self, start: int, width: int) -> torch.Tensor:
+    def get(self) -> torch.Tensor:
         if self.buf is None:
             self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return self.buf.narrow(-1, start, width)
+        return self.buf
+
+    def gate(self) -> torch.Tensor:
+        """dz's place: ``[B, T, HV, V]``, rows strided by the buffer's width."""
+        B, T, _ = self.shape
+        return self.get().narrow(-1, 0, self.value_dim).view(B, T, self.heads, -1)
 
 
-class _SplitProjection(torch.autograd.Function):
-    """``proj.split(widths, -1)`` whose backward hands back the shared :class:`_ProjectionGrad`
-    buffer, copying in only the pieces whose gradient was not already written there."""
+class _Projection(torch.autograd.Function):
+    """The training projections as two products of x: ``x W_qkv^T`` (the conv input, ``[B, T, conv_dim]``)
+    and ``x [W_z; W_ab]^T`` (z | a | b).  Two buffers rather than one ``[B, T, N]``: the second is dead
+    once the gated norm's backward has read z, before the GDN op's backward (the layer's memory peak),
+    and the conv's input gradient is a buffer of its own, so no gradient is concatenated or copied but
+    a's and b's.  The backward sums the two input gradients with one accumulating product."""
 
     @staticmethod
-    def forward(ctx, proj, widths, grad):
-        ctx.widths, ctx.grad = widths, grad
+    def forward(ctx, x, w_main, w_ab, conv_dim, widths, gate_grad):
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        p1 = x2 @ w_main[:conv_dim].t()
+        p2 = x2 @ _rest_weight(w_main, w_ab, conv_dim).t()
+        gate_grad.dtype = p2.dtype
+        ctx.save_for_backward(x, w_main, w_ab)
+        ctx.conv_dim, ctx.widths, ctx.gate_grad = conv_dim, widths, gate_grad
         ctx.set_materialize_grads(False)
-        return tuple(proj.split(list(widths), dim=-1))
+        lead = x.shape[:-1]
+        return (p1.view(*lead, conv_dim),) + tuple(p2.view(*lead, -1).split(list(widths), dim=-1))
 
     @staticmethod
     def in_place(g: torch.Tensor, target: torch.Tensor) -> bool:
@@ -73,17 +87,40 @@ class _SplitProjection(torch.autograd.Function):
         return g.data_ptr() == target.data_ptr() and g.shape == target.shape and g.stride() == target.stride()
 
     @staticmethod
-    def backward(ctx, *grads):
-        arena, start = ctx.grad, 0
-        for width, g in zip(ctx.widths, grads):
-            target = arena.slice(start, width)
+    def backward(ctx, d_conv, *d_rest):
+        x, w_main, w_ab = ctx.saved_tensors
+        conv_dim, hidden = ctx.conv_dim, x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        M = x2.shape[0]
+        buf = ctx.gate_grad.get()
+        ctx.gate_grad.buf = None                 # a second backward (retain_graph) starts a new buffer
+        start = 0
+        for width, g in zip(ctx.widths, d_rest):
+            target = buf.narrow(-1, start, width)
             if g is None:
                 target.zero_()
-            elif not _SplitProjection.in_place(g, target):
+            elif not _Projection.in_place(g, target):
                 target.copy_(g)
             start += width
-        out, arena.buf = arena.buf, None          # a second backward (retain_graph) starts a new buffer
-        return out, None, None
+        d2 = buf.view(M, -1)
+        d1 = d_conv.reshape(M, conv_dim) if d_conv is not None else x2.new_zeros(M, conv_dim)
+        w_rest = _rest_weight(w_main, w_ab, conv_dim)
+        dx = dw_main = dw_ab = None
+        if ctx.needs_input_grad[0]:
+            dx = d1 @ w_main[:conv_dim]
+            dx.addmm_(d2, w_rest)
+            dx = dx.view(x.shape)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dw = x2.new_empty(w_main.shape[0] + w_ab.shape[0], hidden)
+            torch.mm(d1.t(), x2, out=dw[:conv_dim])
+            torch.mm(d2.t(), x2, out=dw[conv_dim:])
+            dw_main, dw_ab = dw[:w_main.shape[0]], dw[w_main.shape[0]:]
+        return dx, dw_main, dw_ab, None, None, None
+
+
+def _rest_weight(w_main, w_ab, conv_dim):
+    """``[W_z; W_ab]``: the rows of the second product (a copy of 2 HV + value_dim rows of weights)."""
+    return torch.cat([w_main[conv_dim:], w_ab], dim=0) if w_main.shape[0] > conv_dim else w_ab
 
 
 class GatedDeltaNet(nn.Module):
@@ -247,16 +284,15 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         widths = (self.conv_dim,) + ((self.value_dim,) if self.use_gate else ()) + (HV, HV)
-        grad = None
+        gate_grad = None
         if self.kernels == "gdngen" and torch.is_grad_enabled() and (
                 x.requires_grad or self.qkvz_proj.weight.requires_grad or self.ab_proj.weight.requires_grad):
-            # training: one matmul for q, k, v, z, a, b (the weights concatenated, a copy of 2 bytes per
-            # weight; the [hidden, 2 HV] product alone is far from the tensor cores' rate and its input
-            # gradient would be a second [B, T, hidden] product plus an add), and one gradient buffer
-            # for its output that the conv and norm kernels write in place (no concatenation copy)
-            proj = F.linear(x, torch.cat([self.qkvz_proj.weight, self.ab_proj.weight], dim=0))
-            grad = _ProjectionGrad(proj)
-            pieces = _SplitProjection.apply(proj, widths, grad)
+            # training: the conv input and z | a | b as two products (see _Projection); the
+            # [hidden, 2 HV] product alone is far from the tensor cores' rate and its input gradient
+            # would be one more [B, T, hidden] product plus an add
+            gate_grad = _GateGrad((B, T, sum(widths[1:])), x.dtype, x.device, self.value_dim, HV)
+            pieces = _Projection.apply(x, self.qkvz_proj.weight, self.ab_proj.weight, self.conv_dim, widths[1:],
+                                       gate_grad)
         else:           # inference: two matmuls, no weight copy per call (decode reads each weight once)
             pieces = self.qkvz_proj(x).split(list(widths[:-2]), dim=-1) + self.ab_proj(x).split([HV, HV], dim=-1)
         conv_in, z = (pieces[0], pieces[1]) if self.use_gate else (pieces[0], None)
@@ -271,8 +307,6 @@ class GatedDeltaNet(nn.Module):
                         allow_neg_eigval=self.allow_neg_eigval)
         recurrence = self._use_recurrence(x)
         if self.kernels == "gdngen":
-            if grad is not None:
-                conv_args["dx_into"] = lambda: grad.slice(0, self.conv_dim)
             (q, k, v), conv_state = short_conv(conv_in, self.conv_weight, self.conv_bias,
                                                splits=(self.key_dim, self.key_dim, self.value_dim), **conv_args)
             q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V)
@@ -282,11 +316,9 @@ class GatedDeltaNet(nn.Module):
                 o, recurrent_state = _gdn().chunk_gated_delta_rule(q, k, v, a, b, chunk_size=self.chunk_size,
                                                                    **gdn_args)
             zv = z.view(B, T, HV, V) if z is not None else None
-            # the gate's gradient is NOT written into the projection gradient buffer (dgate_into): the
-            # norm's backward runs before the GDN op's, so the whole [B, T, N] buffer would be alive
-            # through the GDN backward (the layer's memory peak: +2 bytes x conv_dim per token, 0.5 GiB
-            # at B=4, T=8192); copying dz in after costs 2 bytes x value_dim x 2 per token instead
-            o = gated_rms_norm(o, zv, self.norm_weight, self.norm_eps)
+            # training: dz goes straight into the second projection product's gradient buffer
+            o = gated_rms_norm(o, zv, self.norm_weight, self.norm_eps,
+                               dgate_into=gate_grad.gate if gate_grad is not None and z is not None else None)
         else:
             qkv, conv_state = short_conv_reference(conv_in, self.conv_weight, self.conv_bias, **conv_args)
             q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -17,7 +17,7 @@ The backward recomputes the pre-activation from ``x`` rather than storing it.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -330,7 +330,7 @@ def _row_stride(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class _ShortConvFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, splits, silu, output_final_state, dx_into=None):
+    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, splits, silu, output_final_state):
         B, T, D = x.shape
         W = weight.shape[1]
         x, stride_x = _row_stride(x)
@@ -360,7 +360,6 @@ class _ShortConvFunction(torch.autograd.Function):
             final_state = x.new_empty(0)
             ctx.mark_non_differentiable(final_state)
         ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
-        ctx.dx_into = dx_into
         ctx.meta = (stride_x, tuple(splits), S1, S2, silu, output_final_state, BT, BD, NT, NB, N)
         return (*outs, final_state)
 
@@ -376,9 +375,7 @@ class _ShortConvFunction(torch.autograd.Function):
         dht = grads[-1] if output_final_state and grads[-1] is not None else None
         dht = None if dht is None else dht.contiguous()
         use_h0, varlen = initial_state is not None, cu_seqlens is not None
-        dx = _gradient_target(ctx.dx_into, (B, T, D), x)
-        ctx.dx_into = None
-        dx_rows, stride_dx = _row_stride(dx)
+        dx = torch.empty(B, T, D, device=x.device, dtype=x.dtype)
         # backward tiles of BT rows own BT - W + 1 of them (they overlap by the window's W - 1)
         BT, BD, num_warps = _bwd_tiles(x, D, initial_state is not None)
         NT, NB, chunk_indices, _ = _problem(x, cu_seqlens, BT - W + 1)
@@ -390,7 +387,7 @@ class _ShortConvFunction(torch.autograd.Function):
                      NUM_OUT=len(splits), USE_DHT=dht is not None)
         if P > 0 and D > 0:
             _short_conv_bwd_kernel[(triton.cdiv(D, BD), NT, NB)](
-                x, stride_x, weight, bias, initial_state, dy[0], dy[1], dy[2], dht, dx_rows, stride_dx, dw_part,
+                x, stride_x, weight, bias, initial_state, dy[0], dy[1], dy[2], dht, dx, D, dw_part,
                 db_part, cu_seqlens, chunk_indices, T, D, S1, S2, W=W, BT=BT, BD=BD, ALIGNED=_aligned(splits, BD), **flags,
                 num_warps=num_warps,
             )
@@ -404,18 +401,7 @@ class _ShortConvFunction(torch.autograd.Function):
                 )
         dw = dw_part.sum(0).to(weight.dtype)
         db = db_part.sum(0).to(bias.dtype) if bias is not None else None
-        return dx, dw, db, dh0, None, None, None, None, None
-
-
-def _gradient_target(into, shape, like: torch.Tensor) -> torch.Tensor:
-    """Where an input gradient goes: ``into()`` (a caller's buffer, e.g. a slice of one gradient for a
-    fused projection, so no concatenation copy follows) when it fits, else a new contiguous tensor."""
-    if into is not None:
-        target = into()
-        if (tuple(target.shape) == tuple(shape) and target.dtype == like.dtype and target.device == like.device
-                and _row_stride(target)[0] is target):          # rows of channels with one row stride
-            return target
-    return torch.empty(shape, device=like.device, dtype=like.dtype)
+        return dx, dw, db, dh0, None, None, None, None
 
 
 def _check(name, x, shape=None, what=""):
@@ -486,7 +472,6 @@ def short_conv(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     splits: Optional[Sequence[int]] = None,
-    dx_into: Optional[Callable[[], torch.Tensor]] = None,
 ):
     """Causal depthwise conv1d over time, then ``activation`` (``"silu"``/``"swish"`` or None).
 
@@ -498,9 +483,6 @@ def short_conv(
         initial_state: ``[N, D, W]`` the last ``W`` inputs before each sequence (oldest first), or None (zeros).
         output_final_state: also return the ``[N, D, W]`` state after each sequence, in x's dtype.
         splits: widths summing to ``D``: return one contiguous ``[B, T, width]`` tensor per split.
-        dx_into: called in the backward, returns the ``[B, T, D]`` tensor (channels contiguous, any
-            uniform row stride: e.g. a channel slice of a fused projection's gradient) that x's
-            gradient is written into in place; None (or a tensor that does not fit): a new one.
 
     Returns:
         ``(y, final_state)``: ``y`` is ``[B, T, D]`` in x's dtype (a tuple of tensors with ``splits``);
@@ -509,7 +491,7 @@ def short_conv(
     widths = validate_short_conv(x, weight, bias, activation, cu_seqlens, initial_state, splits)
     check_backend(x)
     *outs, final_state = _ShortConvFunction.apply(
-        x, weight, bias, initial_state, cu_seqlens, widths, activation is not None, bool(output_final_state), dx_into)
+        x, weight, bias, initial_state, cu_seqlens, widths, activation is not None, bool(output_final_state))
     y = tuple(outs) if splits is not None else outs[0]
     return y, (final_state if output_final_state else None)
 
