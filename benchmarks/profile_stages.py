@@ -1,10 +1,13 @@
-"""Where the GDN chunk forward spends its time, and which launch parameters each stage prefers.
+"""Where a generated chunk op spends its time, and which launch parameters each stage prefers.
 
-Per case: a per-kernel breakdown (torch.profiler, CUDA time per call), then a sweep that varies one
-stage's launch parameters at a time (gdngen.runtime.override) and times the whole forward with
-do_bench. Rows go to $OUT/stages.jsonl as measured.
+Per case: a per-kernel breakdown (torch.profiler, CUDA time per call) of the forward (and with
+--backward of a forward+backward step), then with --sweep a sweep that varies one forward stage's
+launch parameters at a time (gdngen.runtime.override) and times the whole forward with do_bench.
+Any catalogue spec (--spec; inputs as `gdngen bench` draws them). Rows go to $OUT/stages.jsonl as
+measured, each with its spec.
 
-    python benchmarks/profile_stages.py [--sweep]
+    python benchmarks/profile_stages.py [--spec gated_delta_rule] [--cases 0,1] [--backward] [--sweep]
+    python benchmarks/profile_stages.py --spec gla --cases 4 --backward     # (4,8192,16,16), issue #7
 """
 from __future__ import annotations
 
@@ -14,16 +17,18 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 
+from gdngen.bench import Case, make_inputs
 from gdngen.runtime import override
-from generated.gated_delta_rule import chunk_gated_delta_rule
+from gdngen.spec import load_spec
 
 OUT = os.environ.get("OUT", "bench_out")
 os.makedirs(OUT, exist_ok=True)
-CASES = [(4, 8192, 16, 32), (1, 131072, 16, 32), (8, 2048, 16, 16), (1, 32768, 2, 8)]
+CASES = [(4, 8192, 16, 32), (1, 131072, 16, 32), (8, 2048, 16, 16), (1, 32768, 2, 8), (4, 8192, 16, 16),
+         (1, 32768, 32, 32)]
 K = V = 128
+DEVICE = "cuda"
 SWEEP = {
     "wy": [dict(num_warps=w, num_stages=s) for w, s in itertools.product([2, 4, 8], [1, 2])],
     "state": [dict(BV=bv, num_warps=w, num_stages=s)
@@ -39,17 +44,26 @@ def log(row):
     print(json.dumps(row), flush=True)
 
 
-def inputs(B, T, H, HV):
-    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 2)
-    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda"))
-    return q, k, v, g, beta
+def step_fn(spec, module, case, backward):
+    """The op on fresh bf16 inputs of ``case``: forward only, or forward + backward."""
+    B, T, H, HV = case
+    inputs = make_inputs(spec, Case(B, T, H, HV, K, V), torch.bfloat16 if DEVICE == "cuda" else torch.float32, DEVICE,
+                         requires_grad=backward)
+    chunk = getattr(module, spec.chunk_function)
+    if not backward:
+        return lambda: chunk(**inputs)
+    leaves = [x for x in inputs.values() if x.requires_grad]
+    do = torch.randn_like(inputs["v"])
+
+    def step():
+        o = chunk(**inputs)[0]
+        torch.autograd.backward(o, do)
+        for x in leaves:
+            x.grad = None
+    return step
 
 
-def breakdown(case, args):
-    fn = lambda: chunk_gated_delta_rule(*args)  # noqa: E731
+def breakdown(spec, case, fn, mode):
     fn()
     torch.cuda.synchronize()
     reps = 10
@@ -62,39 +76,46 @@ def breakdown(case, args):
         us = evt.device_time_total / reps
         if us > 0:
             total += us
-            log({"kind": "kernel", "case": case, "name": evt.key[:60], "us_per_call": us})
-    log({"kind": "kernels_total", "case": case, "us_per_call": total,
+            log({"kind": "kernel", "spec": spec.name, "mode": mode, "case": case, "name": evt.key[:60],
+                 "us_per_call": us})
+    log({"kind": "kernels_total", "spec": spec.name, "mode": mode, "case": case, "us_per_call": total,
          "do_bench_us": 1e3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")})
 
 
-def sweep(case, args):
-    fn = lambda: chunk_gated_delta_rule(*args)  # noqa: E731
+def sweep(spec, case, fn):
     for stage, variants in SWEEP.items():
         for cfg in variants:
             try:
-                with override("gated_delta_rule", stage, **cfg):
+                with override(spec.name, stage, **cfg):
                     ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is data too
-                log({"kind": "sweep", "case": case, "stage": stage, "cfg": cfg, "error": repr(exc)[:120]})
+                log({"kind": "sweep", "spec": spec.name, "case": case, "stage": stage, "cfg": cfg,
+                     "error": repr(exc)[:120]})
                 continue
-            log({"kind": "sweep", "case": case, "stage": stage, "cfg": cfg, "ms": ms})
+            log({"kind": "sweep", "spec": spec.name, "case": case, "stage": stage, "cfg": cfg, "ms": ms})
 
 
 def main():
+    import importlib
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--cases", default="0,1,2,3")
+    parser.add_argument("--spec", default="gated_delta_rule", help="a catalogue spec (specs/<name>.yaml)")
+    parser.add_argument("--cases", default="0,1,2,3", help=f"comma-separated indices into {CASES}")
+    parser.add_argument("--backward", action="store_true", help="also break down a forward+backward step")
+    parser.add_argument("--sweep", action="store_true", help="sweep the forward stages' launch parameters")
     a = parser.parse_args()
+    spec = load_spec(f"specs/{a.spec}.yaml")
+    module = importlib.import_module(f"generated.{spec.name}")
     for i in map(int, a.cases.split(",")):
-        case = CASES[i]
-        args = inputs(*case)
-        breakdown(list(case), args)
-        if a.sweep:
-            sweep(list(case), args)
-        del args
+        case = list(CASES[i])
+        with torch.no_grad():
+            fwd = step_fn(spec, module, case, backward=False)
+            breakdown(spec, case, fwd, "fwd")
+            if a.sweep:
+                sweep(spec, case, fwd)
+        if a.backward:
+            breakdown(spec, case, step_fn(spec, module, case, backward=True), "fwd+bwd")
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    with torch.no_grad():
-        main()
+    main()
