@@ -213,7 +213,7 @@ def cmd_tune(args) -> int:
         return 2
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-    from gdngen.autotune.tuner import ShapeCase, format_report, tune
+    from gdngen.autotune.tuner import ShapeCase, format_report, format_split_rows, tune, tune_split
     dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
               "fp32": torch.float32, "float32": torch.float32}
     dtype = dtypes.get(args.dtype or ("fp32" if args.interpret else "bf16"))
@@ -241,14 +241,28 @@ def cmd_tune(args) -> int:
         if args.interpret:
             print("gdngen tune --interpret: smoke test under the Triton interpreter; timings are wall-clock "
                   "on CPU and say nothing about a GPU.", file=sys.stderr)
-        report = tune(spec, shapes, module=module, stages=stages, chunk_sizes=chunks, cache_dir=args.cache_dir,
-                      max_candidates=limit, progress=True, write=not args.dry_run)
+        split = bool(stages) and "split" in stages
+        stages = [s for s in stages if s != "split"] if stages else stages
+        report = None
+        if stages or not split:
+            report = tune(spec, shapes, module=module, stages=stages, chunk_sizes=chunks, cache_dir=args.cache_dir,
+                          max_candidates=limit, progress=True, write=not args.dry_run)
+        split_rows = []
+        if split:
+            for chunk in chunks or [spec.chunk.default]:
+                split_rows += tune_split(spec, shapes, module=module, chunk_size=chunk, cache_dir=args.cache_dir,
+                                         progress=True, write=not args.dry_run)
     except ValueError as exc:
         print(f"gdngen tune: {exc}", file=sys.stderr)
         return 2
-    print(format_report(report))
-    if report.cache_path:
-        print(f"wrote {report.cache_path}")
+    if report is not None:
+        print(format_report(report))
+        if report.cache_path:
+            print(f"wrote {report.cache_path}")
+    if split_rows:
+        print(format_split_rows(split_rows))
+        if not args.dry_run:
+            print("split winners written to the cache (read by gdngen.parallel.split_sequence_forward)")
     return 0
 
 
@@ -301,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated stages to tune (default fwd): forward wy,state,output; backward "
                         "wy_prep_bwd,intra_bwd,state_bwd,chunk_bwd,wy_bwd,wy_decay_bwd (timed as a forward + "
                         "backward step, every gradient checked first); or the groups fwd, bwd, all. "
-                        "Stages the spec does not launch are skipped")
+                        "Stages the spec does not launch are skipped. split: the intra-card sequence split's "
+                        "segment count (gdngen.parallel.split_sequence_forward), outputs checked first")
     p.add_argument("--backward", action="store_true",
                    help="also tune every backward stage (the same as adding bwd to --stages)")
     p.add_argument("--chunk-sizes", default=None, help="comma-separated subset of the spec's chunk sizes")

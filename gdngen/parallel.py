@@ -679,6 +679,23 @@ def choose_segments(batch_heads: int, seq_len: int, device, *, min_segment: int 
     return segments
 
 
+def _tuned_segments(call: _Call, sequences: int, longest: int) -> Optional[int]:
+    """The tuner's segment count for this call's shape class (``gdngen tune --stages split``), never
+    leaving segments shorter than four chunks; None when untuned, off CUDA or for a foreign function."""
+    name = (call.info or {}).get("name")
+    if not name:
+        return None
+    from gdngen.autotune.cache import segments_hint
+    B, T, H, HV, K, V = call.shape
+    hint = segments_hint(name, K=K, V=V, BT=call.chunk_size, N=sequences, HV=HV, dtype=call.named["q"].dtype,
+                         H=H, T=longest)
+    if hint is None:
+        return None
+    while hint > 1 and longest // hint < 4 * call.chunk_size:
+        hint //= 2
+    return hint
+
+
 def _split_pieces(offsets: list, segment: int, has_init: bool):
     """Cut every sequence of a packed batch into pieces of ``segment`` tokens.
 
@@ -724,8 +741,8 @@ def split_sequence_forward(fn: Callable, *args, segments="auto", transfer: str =
     """A chunk op on one device with each long sequence cut into segments computed side by side.
 
     Same arguments and results as ``fn`` (a generated ``chunk_<name>``), plus ``segments``: an int
-    (1 = no split) or 'auto' (:func:`choose_segments`: by ``B * HV`` against the SM count; no split
-    on CPU). Each sequence is cut into ``segments`` pieces (lengths rounded up to the chunk size);
+    (1 = no split) or 'auto' (the tuner's count for the shape class, ``gdngen tune --stages split``,
+    else :func:`choose_segments`: by ``B * HV`` against the SM count; no split on CPU). Each sequence is cut into ``segments`` pieces (lengths rounded up to the chunk size);
     one call of the op computes every piece from a zero start together with its transfer
     ``(M, N)``, a scan over the pieces gives their true start states, and each piece's outputs are
     corrected by ``S_start^T p_t`` -- exact, equal to the unsplit call up to float rounding.
@@ -740,7 +757,8 @@ def split_sequence_forward(fn: Callable, *args, segments="auto", transfer: str =
     longest = T if offsets is None else max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
     sequences = B if offsets is None else len(offsets) - 1
     if segments == "auto":
-        segments = choose_segments(sequences * HV, longest, call.named["q"].device)
+        segments = _tuned_segments(call, sequences, longest) or choose_segments(sequences * HV, longest,
+                                                                                call.named["q"].device)
     elif isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments: expected a positive int or 'auto', got {segments!r}")
     chunk = call.chunk_size

@@ -38,6 +38,7 @@ from gdngen.autotune.space import STAGES, config_keys, excluded, is_valid
 FORMAT = 1
 SHORT_T = 4096
 ADVICE_STAGES = ("chunk", "chunk_train")     # chunk-size advice: forward, forward + backward
+SPLIT_STAGE = "split"                         # segments per sequence of the intra-card split (gdngen.parallel)
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 CONFIG_KEYS = ("BK", "BV", "num_warps", "num_stages")
 
@@ -123,7 +124,7 @@ def _check_entry(entry) -> bool:
     if not isinstance(entry, dict):
         return False
     config = entry.get("config")
-    if not isinstance(config, dict) or not config or set(config) - set(CONFIG_KEYS) - {"chunk_size"}:
+    if not isinstance(config, dict) or not config or set(config) - set(CONFIG_KEYS) - {"chunk_size", "segments"}:
         return False
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in config.values()):
         return False
@@ -269,6 +270,10 @@ def _usable(table: _Table, key: str, entry: dict, *, spec_name: str, stage: str,
     config = dict(entry["config"])
     if stage in ADVICE_STAGES:
         ok = set(config) == {"chunk_size"}
+    elif stage == SPLIT_STAGE:
+        segments = config.get("segments")
+        ok = (set(config) == {"segments"} and isinstance(segments, int) and not isinstance(segments, bool)
+              and segments >= 1)
     else:
         # no V tile in wy, wy_prep_bwd, wy_decay_bwd; is_valid holds the backward's hard rules
         ok = (set(config) == set(config_keys(stage)) and is_valid(stage, config, K=K, V=V)
@@ -329,6 +334,16 @@ def chunk_size_hint(spec_name: str, *, K: int, V: int, N: int, HV: int, dtype, H
     return found["chunk_size"] if found else None
 
 
+def segments_hint(spec_name: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype, H: Optional[int] = None,
+                  T: Optional[int] = None, device: Optional[DeviceInfo] = None,
+                  directory: Optional[str | os.PathLike] = None) -> Optional[int]:
+    """Segments per sequence the tuner found fastest for the intra-card split (``gdngen tune --stages
+    split``) of this shape class and chunk size; None when not tuned (or without a GPU)."""
+    found = lookup(spec_name, SPLIT_STAGE, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T, device=device,
+                   directory=directory)
+    return found["segments"] if found else None
+
+
 # ---- writing -------------------------------------------------------------------------------
 
 def write_entries(device: DeviceInfo, entries: dict[str, dict], *,
@@ -358,6 +373,6 @@ def make_entry(config: dict, *, spec_hash: str, **extra) -> dict:
     return entry
 
 
-__all__ = ["ADVICE_STAGES", "CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo",
-           "entry_key", "lookup", "make_entry", "par_bucket", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
+__all__ = ["ADVICE_STAGES", "SPLIT_STAGE", "CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo",
+           "entry_key", "lookup", "make_entry", "par_bucket", "segments_hint", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
            "user_cache_path", "write_entries", "STAGES"]

@@ -391,6 +391,99 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
     return report
 
 
+SEGMENT_COUNTS = (1, 2, 4, 8, 16)
+
+
+def tune_split(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = None, chunk_size: int = 64,
+               segment_counts: Iterable[int] = SEGMENT_COUNTS, device: Optional[DeviceInfo] = None, cache_dir=None,
+               tol: Optional[float] = None, min_gain: float = 0.01, progress=False, write: bool = True,
+               seed: int = 0) -> list[dict]:
+    """Tune the intra-card split (``gdngen.parallel.split_sequence_forward``): per shape, the number
+    of segments each sequence is cut into, 1 (no split) included and the default.
+
+    Each count's outputs (o and the final state, fresh allocations NaN-poisoned) are compared with
+    the unsplit call's before it is timed; a count must beat no split by ``min_gain`` to win. The
+    winner goes to the cache under ``<spec>/split/<shape class>`` (``cache.segments_hint``), which
+    ``split_sequence_forward(segments="auto")`` reads before its SM-count heuristic. Returns one row
+    per (shape, count): ``shape``, ``segments``, ``ms`` or ``rejected``, ``winner`` (bool).
+    """
+    from gdngen.parallel import split_sequence_forward
+    if module is None:
+        module = importlib.import_module(f"generated.{spec.name}")
+    if chunk_size not in spec.chunk.sizes:
+        raise ValueError(f"chunk_size: {chunk_size} not among spec.chunk.sizes {list(spec.chunk.sizes)}")
+    counts = sorted(set(int(c) for c in segment_counts) | {1})
+    if counts[0] < 1:
+        raise ValueError(f"segment_counts: expected positive ints, got {list(segment_counts)}")
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    device = device or current_device() or INTERPRETER_DEVICE
+    timer = timer or default_timer(on_gpu)
+    tick = _progress_fn(progress)
+    dev = "cuda" if on_gpu else "cpu"
+    cases = [s if isinstance(s, ShapeCase) else
+             ShapeCase(*s, dtype=torch.bfloat16 if dev == "cuda" else torch.float32) for s in shapes]
+    fn = getattr(module, spec.chunk_function)
+    rows, entries = [], {}
+    total, done = len(cases) * len(counts), 0
+    for case in cases:
+        inputs = make_inputs(spec, B=case.B, T=case.T, H=case.H, HV=case.HV, K=case.K, V=case.V,
+                             dtype=case.dtype, device=dev, seed=seed)
+        timed = {}
+        reference = None
+        for segments in counts:
+            done += 1
+            tick(done, total, f"{case.label} split segments={segments}")
+
+            def call(segments=segments):
+                return split_sequence_forward(fn, **inputs, segments=segments, output_final_state=True,
+                                              chunk_size=chunk_size)
+            row = {"shape": case.label, "segments": segments}
+            try:
+                with poisoned_memory():
+                    got = call()
+                if reference is None:
+                    reference = got
+                    problem = None
+                else:
+                    problem = check_outputs(got, reference, case.dtype, tol)
+                if problem is None:
+                    row["ms"] = timed[segments] = float(timer(call, Candidate("split", chunk_size, {"segments": segments})))
+                else:
+                    row["rejected"] = problem
+            except Exception as exc:  # noqa: BLE001 - a count that fails is data, never chosen
+                if _fatal(exc):
+                    raise TuningAborted(f"split segments={segments} left the device unusable ({exc})") from exc
+                row["rejected"] = f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            rows.append(row)
+        if 1 not in timed:
+            raise RuntimeError(f"{case.label}: the unsplit call failed ({rows[-len(counts)].get('rejected')}); "
+                               "not tuning the split")
+        best = min(timed, key=timed.get)
+        if timed[best] > timed[1] * (1.0 - min_gain):
+            best = 1
+        for row in rows[-len(counts):]:
+            row["winner"] = row["segments"] == best
+        key = _cache.entry_key(spec.name, _cache.SPLIT_STAGE, _cache.shape_class(
+            H=case.H, HV=case.HV, K=case.K, V=case.V, dtype=case.dtype, BT=chunk_size, N=case.B, T=case.T,
+            sm_count=device.sm_count))
+        entries[key] = _cache.make_entry({"segments": best}, spec_hash=spec.hash, ms=round(timed[best], 6),
+                                         default_ms=round(timed[1], 6), shape=case.label,
+                                         segment_ms={str(c): round(t, 6) for c, t in timed.items()})
+    if write and entries:
+        _cache.write_entries(device, entries, directory=cache_dir)
+    return rows
+
+
+def format_split_rows(rows: list[dict]) -> str:
+    """The split tuning rows as a table, the winner of each shape marked."""
+    lines = [f"{'shape (B,T,H,HV,K,V dtype)':<32} {'segments':>8} {'ms':>9}  note"]
+    for r in rows:
+        ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
+        note = "winner" if r.get("winner") else (r.get("rejected") or "")
+        lines.append(f"{r['shape']:<32} {r['segments']:>8} {ms}  {note}")
+    return "\n".join(lines)
+
+
 def _tune_stage(spec, case: ShapeCase, BT: int, stage: str, configs: list, current: dict, run, inputs, reference,
                 timer, tol, device: DeviceInfo, tick, min_gain: float = 0.0,
                 check: Callable = check_outputs) -> StageResult:
