@@ -65,6 +65,7 @@ class DTypes:
     state: str                 # dtype of initial/final states
     accumulate: str            # dtype of in-kernel accumulation
     chunk_states: str          # dtype of the chunk-boundary states kept between stages
+    intermediates: str = "input"   # dtype of the forward's W, U, T and V_new buffers (float32: more precise)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,10 @@ class Spec:
     @property
     def hash(self) -> str:
         """Content hash of the validated spec (independent of file layout and comments)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        d = self.to_dict()
+        if d["dtypes"]["intermediates"] == "input":
+            del d["dtypes"]["intermediates"]     # added later at this default: earlier hashes stay valid
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -133,6 +137,7 @@ _SCHEMA: dict[str, Any] = {
         "state": "float32",
         "accumulate": "float32",
         "chunk_states": "input",
+        "intermediates": "input",
     },
 }
 
@@ -263,7 +268,8 @@ def spec_from_dict(raw: Any, source: str = "<memory>") -> Spec:
                     state=r.choice(dt["state"], "dtypes.state", ("float32",)),
                     accumulate=r.choice(dt["accumulate"], "dtypes.accumulate", ("float32",)),
                     chunk_states=r.choice(dt["chunk_states"], "dtypes.chunk_states",
-                                          ("float32", "input")))
+                                          ("float32", "input")),
+                    intermediates=r.choice(dt["intermediates"], "dtypes.intermediates", ("float32", "input")))
 
     return Spec(name=name, description=description, transition=transition, gates=gates,
                 qk_l2norm=qk_l2norm, feature_maps=feature_maps, normalize=normalize, heads=heads,

@@ -10,6 +10,7 @@ with no NaN and float32 at 2e-7 on the same shape: a bf16 rounding budget that g
 intermediates (W, U, V_new, the chunk states) in bf16.
 """
 import importlib
+import importlib.util
 import os
 
 import numpy as np
@@ -104,3 +105,54 @@ def test_kda_bf16_head_dims_error(bf16_interpreter, K, V):
     assert o32 <= 1e-5 and ht32 <= 1e-5                  # the algorithm is exact at float32 on this shape
     o, ht = _forward_error("kda", torch.bfloat16, K, V)
     assert o <= 5e-3 and ht <= 5e-3, (o, ht)             # the GPU tier's bf16 bar (tests/test_kernels_gpu.py)
+
+
+def _precise_module(tmp_path, base="gated_delta_rule"):
+    """``base`` with ``dtypes.intermediates: float32``, built into tmp_path and imported."""
+    import yaml
+    from gdngen.cli import main
+    d = yaml.safe_load(open(f"specs/{base}.yaml"))
+    d["name"] = f"{base}_f32_intermediates"
+    d.setdefault("dtypes", {})["intermediates"] = "float32"
+    path = tmp_path / f"{d['name']}.yaml"
+    path.write_text(yaml.safe_dump(d))
+    assert main(["build", str(path), "--out", str(tmp_path / "gen")]) == 0
+    module_spec = importlib.util.spec_from_file_location(d["name"], tmp_path / "gen" / f"{d['name']}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return load_spec(path), module
+
+
+@pytest.mark.parametrize("B,H,HV", [(1, 2, 2), (2, 16, 16)])   # N*HV < 32: W/U in memory; >= 32: T only
+def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, tmp_path, B, H, HV):
+    spec, precise = _precise_module(tmp_path)
+    base_spec = load_spec("specs/gated_delta_rule.yaml")
+    base = importlib.import_module("generated.gated_delta_rule")
+    K = V = 32
+    errors = {}
+    for label, (s, module) in {"input": (base_spec, base), "float32": (spec, precise)}.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = make_inputs(s, dtype=dtype, device="cpu", seed=5, B=B, T=192, H=H, HV=HV, K=K, V=V)
+            o, ht = call(module, s, inputs, output_final_state=True, chunk_size=64)
+            o_ref, ht_ref = reference_outputs(s, inputs, output_final_state=True)
+            errors[label, dtype] = rel_rmse(o, o_ref), rel_rmse(ht, ht_ref)
+    assert max(errors["float32", torch.float32]) <= 1e-5, errors
+    (o_in, ht_in), (o_32, ht_32) = errors["input", torch.bfloat16], errors["float32", torch.bfloat16]
+    assert o_32 < 0.95 * o_in and ht_32 <= ht_in * 1.001, errors
+
+
+def test_intermediates_default_keeps_earlier_spec_hashes():
+    import json
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    assert spec.dtypes.intermediates == "input"
+    shipped = json.load(open("gdngen/autotune/shipped/h200.json"))
+    assert {e["spec_hash"] for e in shipped["entries"].values()} == {spec.hash}
+
+
+def test_kda_k20_within_the_bar_with_float32_intermediates(bf16_interpreter, tmp_path):
+    """The remedy for the strict xfail above: the same shape with dtypes.intermediates: float32."""
+    spec, module = _precise_module(tmp_path, "kda")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=7, B=1, T=300, H=2, HV=4, K=20, V=100)
+    o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=64)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3, (rel_rmse(o, o_ref), rel_rmse(ht, ht_ref))

@@ -25,9 +25,14 @@ def contiguous(x):
     return x
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs must not silently drop to TF32 (about 3e-4 relative error) on the GPU."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype, float32_operands: str = "tf32") -> str:
+    """``input_precision`` of the kernels' dots for inputs of ``dtype``: it only acts on dots whose
+    operands are float32. fp32 inputs must not silently drop to TF32 (about 3e-4 relative error)
+    on the GPU: "ieee". Half-precision inputs: ``float32_operands`` for the float32 intermediates
+    ("tf32"; "tf32x3", three TF32 passes at about float32 accuracy, with dtypes.intermediates: float32)."""
+    if float32_operands not in ("tf32", "tf32x3", "ieee"):
+        raise ValueError(f"float32_operands: expected 'tf32', 'tf32x3' or 'ieee', got {float32_operands!r}")
+    return "ieee" if dtype == torch.float32 else float32_operands
 
 
 def next_pow2(n: int) -> int:
