@@ -214,7 +214,7 @@ def make_backward_runner(fn: Callable, grads_out: tuple) -> Callable:
 def _stage_default(stage: str, sizes: dict, per_channel: bool = False) -> dict:
     if _space.is_backward(stage):
         return default_backward_tiles(_space.runtime_stage(stage), **sizes, per_channel=per_channel)
-    return default_tiles(stage, **sizes)
+    return default_tiles(stage, **sizes, per_channel=per_channel)
 
 
 def _fatal(exc: BaseException) -> bool:
@@ -346,7 +346,7 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
                 run_bwd = backward_runner or make_backward_runner(fn, cotangents(inputs, seed))
             for BT in chunk_list:
                 sizes = dict(K=case.K, V=case.V, BT=BT, N=case.B, HV=case.HV, dtype=case.dtype)
-                fwd_best = {s: default_tiles(s, **sizes) for s in _space.STAGES}
+                fwd_best = {s: default_tiles(s, **sizes, per_channel=vector) for s in _space.STAGES}
                 if fwd_wanted:
                     with record_stages() as seen:
                         with poisoned_memory():

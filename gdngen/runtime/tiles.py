@@ -28,7 +28,8 @@ _RECORDERS: list[list] = []
 SM_COUNT_H200 = 132
 
 
-def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype) -> dict:
+def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
+                  per_channel: bool = False) -> dict:
     """Launch parameters that compile for every head dim up to 256 (tl.dot needs tiles >= 16).
 
     The numbers come from the stage sweep on the H200 (benchmarks/NOTES.md): the WY stage is
@@ -37,6 +38,11 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "wy":
+        if per_channel:
+            # vector decay: every 16-row block carries its own [16, BK] float32 decay tile; at BK=64
+            # and 2 warps that spills 3.3 KB per thread on sm_90 (K=V=128 bf16), at BK=32 and 4
+            # warps 236 B (offline compile, Triton 3.6; benchmarks/NOTES.md, stop 16)
+            return {"BK": min(32, pk), "num_warps": 4, "num_stages": 2}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state":
         # the whole K extent of the state stays in registers: narrow V tiles for large K
@@ -74,17 +80,19 @@ def store_wu(spec_name: str, *, N: int, HV: int) -> bool:
 
 
 def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
-          H: Optional[int] = None, T: Optional[int] = None, spec_hash: Optional[str] = None) -> dict:
+          H: Optional[int] = None, T: Optional[int] = None, spec_hash: Optional[str] = None,
+          per_channel: bool = False) -> dict:
     """Launch parameters (BK, BV, num_warps, num_stages) for one launch of ``stage``.
 
     ``H`` (query heads), ``T`` (sequence length, only its short/long bucket is used) and
     ``spec_hash`` are optional: with them the cache lookup matches exactly; without them the
     tuned entry for any H / T bucket of this shape class is used and the hash comes from the
-    loaded ``generated.<spec_name>`` module (or the catalogue spec).
+    loaded ``generated.<spec_name>`` module (or the catalogue spec). ``per_channel``: the spec's
+    decay is per key channel (its own defaults where that changes the kernel's register needs).
     """
     for recorder in _RECORDERS:
         recorder.append(stage)
-    config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype)
+    config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
     chosen = _OVERRIDES.get((spec_name, stage))
     if chosen is None:
         chosen = _cache.lookup(spec_name, stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
