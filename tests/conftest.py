@@ -39,3 +39,29 @@ def isolated_cache(tmp_path, monkeypatch):
     cache.clear_memo()
     yield tmp_path
     cache.clear_memo()
+
+
+@pytest.fixture
+def spec_variant(tmp_path):
+    """``make(base, name_suffix, **dtypes)``: a catalogue spec with some ``dtypes`` keys changed,
+    built by ``gdngen build`` into tmp_path and imported; returns (Spec, module)."""
+    import importlib.util
+
+    import yaml
+
+    from gdngen.cli import main
+    from gdngen.spec import load_spec
+
+    def make(base: str, suffix: str, **dtypes):
+        with open(f"specs/{base}.yaml") as f:
+            d = yaml.safe_load(f)
+        d["name"] = f"{base}_{suffix}"
+        d.setdefault("dtypes", {}).update(dtypes)
+        path = tmp_path / f"{d['name']}.yaml"
+        path.write_text(yaml.safe_dump(d))
+        assert main(["build", str(path), "--out", str(tmp_path / "gen")]) == 0
+        module_spec = importlib.util.spec_from_file_location(d["name"], tmp_path / "gen" / f"{d['name']}.py")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return load_spec(path), module
+    return make

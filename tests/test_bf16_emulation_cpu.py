@@ -10,7 +10,6 @@ with no NaN and float32 at 2e-7 on the same shape: a bf16 rounding budget that g
 intermediates (W, U, V_new, the chunk states) in bf16.
 """
 import importlib
-import importlib.util
 import os
 
 import numpy as np
@@ -107,25 +106,9 @@ def test_kda_bf16_head_dims_error(bf16_interpreter, K, V):
     assert o <= 5e-3 and ht <= 5e-3, (o, ht)             # the GPU tier's bf16 bar (tests/test_kernels_gpu.py)
 
 
-def _precise_module(tmp_path, base="gated_delta_rule"):
-    """``base`` with ``dtypes.intermediates: float32``, built into tmp_path and imported."""
-    import yaml
-    from gdngen.cli import main
-    d = yaml.safe_load(open(f"specs/{base}.yaml"))
-    d["name"] = f"{base}_f32_intermediates"
-    d.setdefault("dtypes", {})["intermediates"] = "float32"
-    path = tmp_path / f"{d['name']}.yaml"
-    path.write_text(yaml.safe_dump(d))
-    assert main(["build", str(path), "--out", str(tmp_path / "gen")]) == 0
-    module_spec = importlib.util.spec_from_file_location(d["name"], tmp_path / "gen" / f"{d['name']}.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return load_spec(path), module
-
-
 @pytest.mark.parametrize("B,H,HV", [(1, 2, 2), (2, 16, 16)])   # N*HV < 32: W/U in memory; >= 32: T only
-def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, tmp_path, B, H, HV):
-    spec, precise = _precise_module(tmp_path)
+def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, B, H, HV):
+    spec, precise = spec_variant("gated_delta_rule", "f32_intermediates", intermediates="float32")
     base_spec = load_spec("specs/gated_delta_rule.yaml")
     base = importlib.import_module("generated.gated_delta_rule")
     K = V = 32
@@ -149,9 +132,9 @@ def test_intermediates_default_keeps_earlier_spec_hashes():
     assert {e["spec_hash"] for e in shipped["entries"].values()} == {spec.hash}
 
 
-def test_kda_k20_within_the_bar_with_float32_intermediates(bf16_interpreter, tmp_path):
+def test_kda_k20_within_the_bar_with_float32_intermediates(bf16_interpreter, spec_variant):
     """The remedy for the strict xfail above: the same shape with dtypes.intermediates: float32."""
-    spec, module = _precise_module(tmp_path, "kda")
+    spec, module = spec_variant("kda", "f32_intermediates", intermediates="float32")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=7, B=1, T=300, H=2, HV=4, K=20, V=100)
     o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=64)
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
