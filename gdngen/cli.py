@@ -213,7 +213,8 @@ def cmd_tune(args) -> int:
         return 2
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-    from gdngen.autotune.tuner import ShapeCase, format_report, format_split_rows, tune, tune_split
+    from gdngen.autotune.tuner import (ShapeCase, format_recurrent_rows, format_report, format_split_rows, tune,
+                                       tune_recurrent, tune_split)
     dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
               "fp32": torch.float32, "float32": torch.float32}
     dtype = dtypes.get(args.dtype or ("fp32" if args.interpret else "bf16"))
@@ -242,9 +243,10 @@ def cmd_tune(args) -> int:
             print("gdngen tune --interpret: smoke test under the Triton interpreter; timings are wall-clock "
                   "on CPU and say nothing about a GPU.", file=sys.stderr)
         split = bool(stages) and "split" in stages
-        stages = [s for s in stages if s != "split"] if stages else stages
+        decode = bool(stages) and "recurrent" in stages
+        stages = [s for s in stages if s not in ("split", "recurrent")] if stages else stages
         report = None
-        if stages or not split:
+        if stages or not (split or decode):
             report = tune(spec, shapes, module=module, stages=stages, chunk_sizes=chunks, cache_dir=args.cache_dir,
                           max_candidates=limit, progress=True, write=not args.dry_run)
         split_rows = []
@@ -252,9 +254,18 @@ def cmd_tune(args) -> int:
             for chunk in chunks or [spec.chunk.default]:
                 split_rows += tune_split(spec, shapes, module=module, chunk_size=chunk, cache_dir=args.cache_dir,
                                          progress=True, write=not args.dry_run)
+        recurrent_rows = []
+        if decode:
+            decode_shapes = shapes if args.shapes or args.interpret else [
+                ShapeCase.parse(t, dtype) for t in ("1,1,16,32,128,128", "64,1,16,32,128,128", "256,1,16,32,128,128")]
+            recurrent_rows = tune_recurrent(spec, decode_shapes, module=module, cache_dir=args.cache_dir,
+                                            max_candidates=args.max_candidates or None, progress=True,
+                                            write=not args.dry_run)
     except ValueError as exc:
         print(f"gdngen tune: {exc}", file=sys.stderr)
         return 2
+    if recurrent_rows:
+        print(format_recurrent_rows(recurrent_rows))
     if report is not None:
         print(format_report(report))
         if report.cache_path:
@@ -316,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                         "wy_prep_bwd,intra_bwd,state_bwd,chunk_bwd,wy_bwd,wy_decay_bwd (timed as a forward + "
                         "backward step, every gradient checked first); or the groups fwd, bwd, all. "
                         "Stages the spec does not launch are skipped. split: the intra-card sequence split's "
-                        "segment count (gdngen.parallel.split_sequence_forward), outputs checked first")
+                        "segment count (gdngen.parallel.split_sequence_forward), outputs checked first. "
+                        "recurrent: fused_recurrent_* (decode) V tile and warps, float32 state; its shapes "
+                        "are B,T,H,HV,K,V with T tokens per call (default B = 1, 64, 256 at T = 1)")
     p.add_argument("--backward", action="store_true",
                    help="also tune every backward stage (the same as adding bwd to --stages)")
     p.add_argument("--chunk-sizes", default=None, help="comma-separated subset of the spec's chunk sizes")

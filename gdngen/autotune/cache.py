@@ -39,6 +39,7 @@ FORMAT = 1
 SHORT_T = 4096
 ADVICE_STAGES = ("chunk", "chunk_train")     # chunk-size advice: forward, forward + backward
 SPLIT_STAGE = "split"                         # segments per sequence of the intra-card split (gdngen.parallel)
+RECURRENT_STAGE = "recurrent"                 # V tile and warps of fused_recurrent_* (decode)
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 CONFIG_KEYS = ("BK", "BV", "num_warps", "num_stages")
 
@@ -270,6 +271,10 @@ def _usable(table: _Table, key: str, entry: dict, *, spec_name: str, stage: str,
     config = dict(entry["config"])
     if stage in ADVICE_STAGES:
         ok = set(config) == {"chunk_size"}
+    elif stage == RECURRENT_STAGE:
+        bv, warps = config.get("BV"), config.get("num_warps")
+        ok = (set(config) == {"BV", "num_warps"} and isinstance(bv, int) and 8 <= bv <= 256 and bv & (bv - 1) == 0
+              and warps in (1, 2, 4, 8))
     elif stage == SPLIT_STAGE:
         segments = config.get("segments")
         ok = (set(config) == {"segments"} and isinstance(segments, int) and not isinstance(segments, bool)
@@ -373,6 +378,6 @@ def make_entry(config: dict, *, spec_hash: str, **extra) -> dict:
     return entry
 
 
-__all__ = ["ADVICE_STAGES", "SPLIT_STAGE", "CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo",
+__all__ = ["ADVICE_STAGES", "RECURRENT_STAGE", "SPLIT_STAGE", "CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo",
            "entry_key", "lookup", "make_entry", "par_bucket", "segments_hint", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
            "user_cache_path", "write_entries", "STAGES"]

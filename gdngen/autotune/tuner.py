@@ -474,6 +474,115 @@ def tune_split(spec, shapes: Iterable, *, module=None, timer: Optional[Callable]
     return rows
 
 
+RECURRENT_BV = (8, 16, 32, 64, 128)
+RECURRENT_WARPS = (1, 2, 4, 8)
+
+
+def tune_recurrent(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = None,
+                   state_dtype: torch.dtype = torch.float32, device: Optional[DeviceInfo] = None, cache_dir=None,
+                   tol: Optional[float] = None, min_gain: float = 0.01, max_candidates: Optional[int] = None,
+                   progress=False, write: bool = True, seed: int = 0) -> list[dict]:
+    """Tune the token-recurrent kernel (``fused_recurrent_<name>``, decode): V tile and warps per shape.
+
+    ``shapes``: ShapeCase with T = tokens per call (1 for decode). Each candidate ``{BV, num_warps}``
+    (the rule of thumb of ``gdngen.runtime.recurrent`` first) runs from the same ``state_dtype`` start
+    state; its outputs and final state (fresh allocations NaN-poisoned) are compared with the
+    default's before it is timed, updating a state in place as decode does. A candidate must beat the
+    default by ``min_gain``. Winners go to the cache under ``<spec>/recurrent/<shape class>`` (keyed by
+    the state dtype), which ``recurrent_tiles`` reads. Returns one row per (shape, candidate).
+    """
+    from gdngen.runtime import recurrent as _recurrent
+    if module is None:
+        module = importlib.import_module(f"generated.{spec.name}")
+    fn = getattr(module, spec.recurrent_function, None)
+    if fn is None:
+        raise ValueError(f"stages: {spec.name} has no {spec.recurrent_function}; recurrent cannot be tuned")
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    device = device or current_device() or INTERPRETER_DEVICE
+    timer = timer or default_timer(on_gpu)
+    tick = _progress_fn(progress)
+    dev = "cuda" if on_gpu else "cpu"
+    cases = [s if isinstance(s, ShapeCase) else
+             ShapeCase(*s, dtype=torch.bfloat16 if dev == "cuda" else torch.float32) for s in shapes]
+    rows, entries = [], {}
+    plans = []
+    for case in cases:
+        default = _recurrent.recurrent_tiles(spec.name, N=case.B, HV=case.HV, K=case.K, V=case.V,
+                                             state_dtype=state_dtype, device=torch.device(dev))
+        base = {"BV": default["BV"], "num_warps": default["num_warps"]}
+        widest = max(8, 1 << max(0, (case.V - 1).bit_length()))
+        space = [{"BV": bv, "num_warps": w} for bv in RECURRENT_BV for w in RECURRENT_WARPS
+                 if bv <= widest and {"BV": bv, "num_warps": w} != base
+                 and default["BK"] * bv // (32 * w) <= 256]          # state values per thread: no spill storm
+        space.sort(key=lambda c: (abs((c["BV"].bit_length()) - base["BV"].bit_length())
+                                  + abs(c["num_warps"].bit_length() - base["num_warps"].bit_length()), c["BV"],
+                                  c["num_warps"]))
+        configs = [base] + space
+        if max_candidates:
+            configs = configs[:max_candidates]
+        plans.append((case, configs))
+    total, done = sum(len(c) for _, c in plans), 0
+    for case, configs in plans:
+        inputs = make_inputs(spec, B=case.B, T=case.T, H=case.H, HV=case.HV, K=case.K, V=case.V,
+                             dtype=case.dtype, device=dev, seed=seed)
+        inputs.pop("initial_state", None)    # the tuner's own start state below
+        gen = torch.Generator(device=dev).manual_seed(seed + 1)
+        start = (0.1 * torch.randn(case.B, case.HV, case.K, case.V, generator=gen, device=dev)).to(state_dtype)
+        live = start.clone()                  # the state the timed calls update in place, as decode does
+        reference, timed, first = None, {}, len(rows)
+        for cfg in configs:
+            done += 1
+            label = f"BV={cfg['BV']} num_warps={cfg['num_warps']}"
+            tick(done, total, f"{case.label} recurrent {label}")
+            row = {"shape": case.label, "config": dict(cfg), "default": cfg is configs[0]}
+            try:
+                with override(spec.name, _recurrent.STAGE, **cfg):
+                    with poisoned_memory():
+                        got = fn(**inputs, initial_state=start.clone(), output_final_state=True)
+                    if reference is None:
+                        reference, problem = got, None
+                    else:
+                        problem = check_outputs(got, reference, case.dtype, tol)
+                    if problem is None:
+                        step = lambda: fn(**inputs, initial_state=live, output_final_state=True)  # noqa: E731
+                        row["ms"] = timed[label] = float(timer(step, Candidate(_recurrent.STAGE, 0, dict(cfg))))
+                    else:
+                        row["rejected"] = problem
+            except Exception as exc:  # noqa: BLE001 - a config that fails is data, never chosen
+                if _fatal(exc):
+                    raise TuningAborted(f"recurrent {label} left the device unusable ({exc})") from exc
+                row["rejected"] = f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            rows.append(row)
+        mine = rows[first:]
+        if "ms" not in mine[0]:
+            raise RuntimeError(f"{case.label}: the default recurrent config failed ({mine[0].get('rejected')})")
+        best = min((r for r in mine if "ms" in r), key=lambda r: r["ms"])
+        if best["ms"] > mine[0]["ms"] * (1.0 - min_gain):
+            best = mine[0]
+        for r in mine:
+            r["winner"] = r is best
+        key = _cache.entry_key(spec.name, _cache.RECURRENT_STAGE, _cache.shape_class(
+            H=case.H, HV=case.HV, K=case.K, V=case.V, dtype=state_dtype, BT=0, N=case.B, T=case.T,
+            sm_count=device.sm_count))
+        entries[key] = _cache.make_entry(best["config"], spec_hash=spec.hash, ms=round(best["ms"], 6),
+                                         default_ms=round(mine[0]["ms"], 6), shape=case.label)
+    if write and entries:
+        _cache.write_entries(device, entries, directory=cache_dir)
+        _recurrent.forget()
+    return rows
+
+
+def format_recurrent_rows(rows: list[dict]) -> str:
+    """The recurrent tuning rows as a table, the default and the winner of each shape marked."""
+    lines = [f"{'shape (B,T,H,HV,K,V dtype)':<32} {'BV':>4} {'warps':>5} {'ms':>9}  note"]
+    for r in rows:
+        ms = f"{r['ms']:9.4f}" if "ms" in r else f"{'-':>9}"
+        note = " ".join(x for x in ("default" if r.get("default") else "", "winner" if r.get("winner") else "",
+                                    r.get("rejected") or "") if x)
+        lines.append(f"{r['shape']:<32} {r['config']['BV']:>4} {r['config']['num_warps']:>5} {ms}  {note}")
+    return "\n".join(lines)
+
+
 def format_split_rows(rows: list[dict]) -> str:
     """The split tuning rows as a table, the winner of each shape marked."""
     lines = [f"{'shape (B,T,H,HV,K,V dtype)':<32} {'segments':>8} {'ms':>9}  note"]

@@ -11,13 +11,15 @@ loads a ``[K, BV]`` slice of one sequence's state, applies one token and stores 
 
 :func:`recurrent_tiles` applies those two rules; ``gdngen.runtime.tiles.override(spec, "recurrent",
 BV=..., num_warps=...)`` replaces them (the decode benchmark sweeps them this way). Each launch shape
-is resolved once per process: afterwards a launch costs one dict lookup. The autotune cache does not
-hold recurrent entries yet.
+is resolved once per process: afterwards a launch costs one dict lookup. A tuned entry
+(``gdngen tune --stages recurrent``, cached as ``<spec>/recurrent/<shape class>`` keyed by the state
+dtype) replaces the rule of thumb's BV and num_warps.
 """
 from __future__ import annotations
 
 import torch
 
+from gdngen.autotune import cache as _cache
 from gdngen.runtime.tiles import _OVERRIDES   # the dict tiles.override() fills
 from gdngen.runtime.launch import next_pow2
 
@@ -58,7 +60,7 @@ def recurrent_tiles(spec_name: str, *, N: int, HV: int, K: int, V: int, state_dt
                     device: torch.device) -> dict:
     """Launch parameters of one ``fused_recurrent_<spec_name>`` launch.
 
-    An override (``gdngen.runtime.tiles.override(spec_name, "recurrent", ...)``) is merged over the
+    On CUDA: a tuned cache entry for the shape class, else :func:`default_recurrent_tiles`. An override (``gdngen.runtime.tiles.override(spec_name, "recurrent", ...)``) is merged over the
     defaults; BK always covers K (the kernel holds whole key rows for the L2 norm and k^T S).
     """
     chosen = _OVERRIDES.get((spec_name, STAGE))
@@ -67,6 +69,9 @@ def recurrent_tiles(spec_name: str, *, N: int, HV: int, K: int, V: int, state_dt
     if config is None:
         if device.type == "cuda":
             config = default_recurrent_tiles(N=N, HV=HV, K=K, V=V, state_dtype=state_dtype, sms=sm_count(device))
+            tuned = _cache.lookup(spec_name, STAGE, K=K, V=V, BT=0, N=N, HV=HV, dtype=state_dtype)
+            if tuned:
+                config.update(tuned)       # BV and num_warps from `gdngen tune --stages recurrent`
         else:
             # the interpreter pays per program, not per register: one V tile
             config = {"BK": max(16, next_pow2(K)), "BV": max(MIN_BV, next_pow2(V)), "num_warps": 1, "num_stages": 1}
@@ -74,3 +79,8 @@ def recurrent_tiles(spec_name: str, *, N: int, HV: int, K: int, V: int, state_dt
     if chosen:
         config = {**config, **chosen, "BK": config["BK"]}
     return config
+
+
+def forget() -> None:
+    """Resolve every launch shape again (after a tuning run wrote the cache; tests)."""
+    _RESOLVED.clear()
