@@ -232,6 +232,17 @@ def _progress_fn(progress):
     return lambda i, n, label: None
 
 
+def _run_setup(shapes: Iterable, device: Optional[DeviceInfo], timer: Optional[Callable], progress):
+    """What every tuning run starts from: (device info, timer, progress tick, torch device, ShapeCases).
+    Without a GPU (or under the interpreter) the stand-in device, wall-clock timing, CPU tensors."""
+    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    dev = "cuda" if on_gpu else "cpu"
+    cases = [s if isinstance(s, ShapeCase) else
+             ShapeCase(*s, dtype=torch.bfloat16 if on_gpu else torch.float32) for s in shapes]
+    return (device or current_device() or INTERPRETER_DEVICE, timer or default_timer(on_gpu),
+            _progress_fn(progress), dev, cases)
+
+
 def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = None,
          stages: Optional[Iterable[str]] = None, chunk_sizes: Optional[Iterable[int]] = None,
          device: Optional[DeviceInfo] = None, cache_dir=None, max_candidates: Optional[int] = None,
@@ -264,11 +275,7 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
     """
     if module is None:
         module = importlib.import_module(f"generated.{spec.name}")
-    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    device = device or current_device() or INTERPRETER_DEVICE
-    timer = timer or default_timer(on_gpu)
-    tick = _progress_fn(progress)
-    dev = "cuda" if torch.cuda.is_available() and on_gpu else "cpu"
+    device, timer, tick, dev, cases = _run_setup(shapes, device, timer, progress)
     chunk_list = list(chunk_sizes) if chunk_sizes else _space.chunk_sizes(spec)
     bad = [c for c in chunk_list if c not in spec.chunk.sizes]
     if bad:
@@ -283,8 +290,6 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
     bwd_stages = _space.backward_stages_for(spec) if bwd_wanted else []
     if bwd_wanted and not bwd_stages:
         raise ValueError(f"stages: {spec.name} has no generated Triton backward; backward stages cannot be tuned")
-    cases = [s if isinstance(s, ShapeCase) else
-             ShapeCase(*s, dtype=torch.bfloat16 if dev == "cuda" else torch.float32) for s in shapes]
     fn = getattr(module, spec.chunk_function)
     vector = _space.per_channel(spec)
 
@@ -415,13 +420,7 @@ def tune_split(spec, shapes: Iterable, *, module=None, timer: Optional[Callable]
     counts = sorted(set(int(c) for c in segment_counts) | {1})
     if counts[0] < 1:
         raise ValueError(f"segment_counts: expected positive ints, got {list(segment_counts)}")
-    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    device = device or current_device() or INTERPRETER_DEVICE
-    timer = timer or default_timer(on_gpu)
-    tick = _progress_fn(progress)
-    dev = "cuda" if on_gpu else "cpu"
-    cases = [s if isinstance(s, ShapeCase) else
-             ShapeCase(*s, dtype=torch.bfloat16 if dev == "cuda" else torch.float32) for s in shapes]
+    device, timer, tick, dev, cases = _run_setup(shapes, device, timer, progress)
     fn = getattr(module, spec.chunk_function)
     rows, entries = [], {}
     total, done = len(cases) * len(counts), 0
@@ -497,13 +496,7 @@ def tune_recurrent(spec, shapes: Iterable, *, module=None, timer: Optional[Calla
     fn = getattr(module, spec.recurrent_function, None)
     if fn is None:
         raise ValueError(f"stages: {spec.name} has no {spec.recurrent_function}; recurrent cannot be tuned")
-    on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    device = device or current_device() or INTERPRETER_DEVICE
-    timer = timer or default_timer(on_gpu)
-    tick = _progress_fn(progress)
-    dev = "cuda" if on_gpu else "cpu"
-    cases = [s if isinstance(s, ShapeCase) else
-             ShapeCase(*s, dtype=torch.bfloat16 if dev == "cuda" else torch.float32) for s in shapes]
+    device, timer, tick, dev, cases = _run_setup(shapes, device, timer, progress)
     rows, entries = [], {}
     plans = []
     for case in cases:
