@@ -106,7 +106,7 @@ def test_kda_bf16_head_dims_error(bf16_interpreter, K, V):
     assert o <= 5e-3 and ht <= 5e-3, (o, ht)             # the GPU tier's bf16 bar (tests/test_kernels_gpu.py)
 
 
-@pytest.mark.parametrize("B,H,HV", [(1, 2, 2), (2, 16, 16)])   # N*HV < 32: W/U in memory; >= 32: T only
+@pytest.mark.parametrize("B,H,HV", [(1, 2, 2), (2, 16, 16)])   # few / many programs (float32 intermediates: the T path at both)
 def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, B, H, HV):
     spec, precise = spec_variant("gated_delta_rule", "f32_intermediates", intermediates="float32")
     base_spec = load_spec("specs/gated_delta_rule.yaml")
