@@ -66,9 +66,10 @@ def fake_grads(inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool]) 
     return [torch.empty_like(x) if need else absent(like) for x, need in zip(inputs, needs)]
 
 
-def sum_head_groups(x: torch.Tensor, H: int) -> torch.Tensor:
+def sum_head_groups(x: torch.Tensor, H: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``: each query/key head's HV // H value
-    heads summed in a fixed order (deterministic, no atomics).
+    heads summed in a fixed order (deterministic, no atomics). ``out``: a ``[B, T, H, K]`` tensor
+    (a view of a larger buffer too) to write the result into, and return, instead of a new one.
 
     Elementwise adds of strided views, accumulated in float32 beyond two terms: on the H200 the
     generic ``view(..., G, K).sum(3)`` reduction ran at about a third of the memory bandwidth
@@ -77,8 +78,12 @@ def sum_head_groups(x: torch.Tensor, H: int) -> torch.Tensor:
     B, T, HV, K = x.shape
     groups = x.view(B, T, H, HV // H, K)
     if HV // H == 2:
-        return torch.add(groups[:, :, :, 0], groups[:, :, :, 1])   # one rounding, as a float32 sum
+        if out is None:
+            return torch.add(groups[:, :, :, 0], groups[:, :, :, 1])   # one rounding, as a float32 sum
+        return torch.add(groups[:, :, :, 0], groups[:, :, :, 1], out=out)
     total = groups[:, :, :, 0].float()
     for i in range(1, HV // H):
         total += groups[:, :, :, i]
-    return total.to(x.dtype)
+    if out is None:
+        return total.to(x.dtype)
+    return out.copy_(total)
