@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -389,110 +388,20 @@ def _series(rows: list[dict]):
 
 
 def write_plot(rows: list[dict], path: Path) -> Path | None:
-    """PNG of the panels; matplotlib when importable, else gdngen.bench's rasteriser. None: nothing to plot."""
+    """PNG of the panels (gdngen.bench.write_line_panels: matplotlib when importable, else its
+    built-in rasteriser); a colour per head dim, solid: short class, dashed: long. None: nothing to plot."""
+    from gdngen.bench import _PALETTE, Panel, Series, write_line_panels
     sizes, panels = _series(rows)
     if not panels:
         print("plot: no measured rows, no PNG", file=sys.stderr)
         return None
-    path = Path(path)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot: matplotlib not importable, drawing with gdngen.bench's built-in rasteriser", file=sys.stderr)
-        return _write_plot_canvas(sizes, panels, path)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    head_dims = sorted({K for _, lines, _ in panels for K, _ in lines})
-    colours = {K: f"C{i}" for i, K in enumerate(head_dims)}
-    for ax, (title, lines, logy) in zip(axes[0], panels):
-        for (K, cls), pts in lines.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[K],
-                    linestyle="-" if cls == "short" else "--", label=f"K=V={K} {cls}")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes)
-        ax.set_xticklabels([str(s) for s in sizes])
-        if logy:
-            ax.set_yscale("log")
-        ax.set_xlabel("chunk size")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _write_plot_canvas(sizes, panels, path: Path) -> Path:
-    from gdngen.bench import Canvas, _PALETTE, _nice_step
-    panel_w, panel_h, left, right, top, bottom = 520, 400, 90, 30, 60, 60
-    canvas = Canvas(panel_w * len(panels), panel_h + 40)
     head_dims = sorted({K for _, lines, _ in panels for K, _ in lines})
     colours = {K: _PALETTE[i % len(_PALETTE)] for i, K in enumerate(head_dims)}
-    x_legend = 10
-    for K in head_dims:
-        canvas.rect(x_legend, 14, x_legend + 14, 20, colours[K])
-        x_legend = canvas.text(x_legend + 20, 10, f"k=v={K}") + 14
-    canvas.text(x_legend + 10, 10, "solid: short  dashed: long")
-    grey = (200, 200, 200)
-    for p, (title, lines, logy) in enumerate(panels):
-        x0, y0 = p * panel_w + left, 40 + top
-        x1, y1 = (p + 1) * panel_w - right, 40 + panel_h - bottom
-        ys = [y for pts in lines.values() for _, y in pts]
-        if logy:
-            ys = [math.log10(y) for y in ys]
-            lo, hi = math.floor(min(ys)), math.ceil(max(ys))
-            hi = max(hi, lo + 1)
-        else:
-            lo, hi = 0.0, max(ys) * 1.1
-        step = 1 if logy else _nice_step(hi - lo)
-
-        def py(y):
-            v = math.log10(y) if logy else y
-            return round(y1 - (v - lo) / (hi - lo) * (y1 - y0))
-
-        def px(bt):
-            i = sizes.index(bt)
-            return round(x0 + (i + 0.5) / len(sizes) * (x1 - x0))
-
-        tick = lo
-        while tick <= hi + 1e-9:
-            y = round(y1 - (tick - lo) / (hi - lo) * (y1 - y0))
-            canvas.line(x0, y, x1, y, grey)
-            label = f"1e{int(tick)}" if logy else f"{tick:.3g}"
-            canvas.text(x0 - 6 - Canvas.text_width(label), y - 5, label)
-            tick += step
-        for bt in sizes:
-            canvas.line(px(bt), y0, px(bt), y1, grey)
-            canvas.text(px(bt) - Canvas.text_width(str(bt)) // 2, y1 + 8, str(bt))
-        canvas.line(x0, y0, x0, y1, (0, 0, 0))
-        canvas.line(x0, y1, x1, y1, (0, 0, 0))
-        canvas.text(x0 - 60, y0 - 24, title)
-        canvas.text((x0 + x1) // 2 - Canvas.text_width("chunk size") // 2, y1 + 30, "chunk size")
-        for (K, cls), pts in lines.items():
-            pts = [(px(bt), py(y)) for bt, y in sorted(pts)]
-            for a, b in zip(pts, pts[1:]):
-                if cls == "short":
-                    canvas.line(*a, *b, colours[K], thick=2)
-                else:
-                    _dashed(canvas, a, b, colours[K])
-            for x, y in pts:
-                canvas.rect(x - 3, y - 3, x + 3, y + 3, colours[K])
-    path.write_bytes(canvas.png())
-    return path
-
-
-def _dashed(canvas, a, b, colour, dash: int = 8, gap: int = 6) -> None:
-    length = math.hypot(b[0] - a[0], b[1] - a[1])
-    s = 0.0
-    while s < length:
-        e = min(s + dash, length)
-        p = [round(a[i] + (b[i] - a[i]) * s / length) for i in (0, 1)]
-        q = [round(a[i] + (b[i] - a[i]) * e / length) for i in (0, 1)]
-        canvas.line(*p, *q, colour, thick=2)
-        s += dash + gap
+    return write_line_panels(
+        [Panel(title, [Series(f"K=V={K} {cls}", pts, colours[K], dashed=cls != "short")
+                       for (K, cls), pts in lines.items()],
+               xlabel="chunk size", xlog2=True, ylog=logy, xticks=sizes)
+         for title, lines, logy in panels], Path(path))
 
 
 def read_rows(path: Path) -> list[dict]:

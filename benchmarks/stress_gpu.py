@@ -27,6 +27,11 @@ Every row is appended to $OUT/stress.jsonl as it is measured; a summary table is
     python benchmarks/stress_gpu.py --sections sweeps,determinism    # ~3.5 min         sweeps+determinism, soak)
     python benchmarks/stress_gpu.py --sections soak --soak-seconds 200
     python benchmarks/stress_gpu.py --dry-run                        # CPU, Triton interpreter, toy sizes (~90 s)
+    python benchmarks/stress_gpu.py --plot benchmarks/results/FILE.jsonl [--png OUT.png]   # re-plot, no GPU
+
+The ``long`` and ``sweeps`` rows are also drawn to $OUT/stress.png (``--plot`` redraws it from a jsonl and
+prints the error table and the sweep figures): tokens/s and peak MiB against T, tokens/s against B, and
+the error vs float64 against T (matplotlib when importable, else gdngen.bench's built-in rasteriser).
 """
 from __future__ import annotations
 
@@ -581,6 +586,147 @@ def section_determinism(ctx, deadline):
 
 
 # =============================================================================================
+# Plot and figures: from rows (this run's, or a committed jsonl); no GPU needed
+# =============================================================================================
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _points(rows, case, mode, x, y):
+    return sorted((r[x], r[y]) for r in rows
+                  if r.get("section") == "sweeps" and r.get("case") == case and r.get("mode") == mode
+                  and r.get(y) is not None and r.get(x) is not None)
+
+
+def _oom(rows, case, mode):
+    """The size the sweep ran out of memory at (T for the T sweep, B for the B sweep), or None."""
+    key = "T" if case == "T sweep" else "B"
+    return next((r.get(key) for r in rows if r.get("section") == "sweeps" and r.get("case") == case
+                 and r.get("mode") == mode and r.get("oom")), None)
+
+
+def _shape(rows, case):
+    r = next((r for r in rows if r.get("section") == "sweeps" and r.get("case") == case and "ms" in r), None)
+    return f"H={r['H']} HV={r['HV']} {r['dtype']}" if r else ""
+
+
+def sweep_figures(rows: list[dict]) -> list[dict]:
+    """Per (sweep, mode): points, tokens/s range, the largest drop of tokens/s between neighbours
+    (ratio < 1; None when every step rises), the log-log slope of peak MiB against the swept size
+    (least squares; 1 = linear) and the size it ran out of memory at."""
+    out = []
+    for case, key in (("T sweep", "T"), ("B sweep", "B")):
+        for mode in ("fwd", "fwd+bwd"):
+            tps = _points(rows, case, mode, key, "tokens_per_s")
+            if not tps:
+                continue
+            steps = [(a[0], b[0], b[1] / a[1]) for a, b in zip(tps, tps[1:])]
+            worst = min(steps, key=lambda s: s[2], default=None)
+            mem = [(math.log2(x), math.log2(y)) for x, y in _points(rows, case, mode, key, "peak_mib") if y > 0]
+            slope = None
+            if len(mem) > 1:
+                mx, my = sum(x for x, _ in mem) / len(mem), sum(y for _, y in mem) / len(mem)
+                slope = sum((x - mx) * (y - my) for x, y in mem) / sum((x - mx) ** 2 for x, _ in mem)
+            peak = _points(rows, case, mode, key, "peak_mib")
+            out.append({"sweep": case, "mode": mode, "key": key, "points": len(tps), "from": tps[0][0],
+                        "to": tps[-1][0], "tokens_per_s_min": min(y for _, y in tps),
+                        "tokens_per_s_max": max(y for _, y in tps), "largest_drop": worst if worst and worst[2] < 1
+                        else None, "peak_mib_slope": slope, "peak_mib_last": peak[-1][1] if peak else None,
+                        "oom_at": _oom(rows, case, mode)})
+    return out
+
+
+def format_figures(rows: list[dict]) -> str:
+    """Markdown: the long section's error table, the 2^31-element case, the sweep figures."""
+    lines = []
+    errs = {(r["T"], r["dtype"]): r for r in rows if r.get("section") == "long" and "T" in r and "rel_rmse_o" in r}
+    if errs:
+        dtypes = list(dict.fromkeys(d for _, d in errs))
+        lines += ["| T | " + " | ".join(f"{d} o | {d} final state" for d in dtypes) + " |",
+                  "|---|" + "---|---|" * len(dtypes)]
+        for T in sorted({t for t, _ in errs}):
+            cells = []
+            for d in dtypes:
+                r = errs.get((T, d))
+                cells += [f"{r['rel_rmse_o']:.3e}", f"{r['rel_rmse_ht']:.3e}"] if r else ["", ""]
+            lines.append(f"| {T:,} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if r.get("section") == "long" and "elements" in r:
+            lines.append(f"{r['case']} {r['dtype']} {r['shape']}: o {r['rel_rmse_o']:.3e}, final state "
+                         f"{r['rel_rmse_ht']:.3e}, last tokens {r['rel_rmse_o_last_tokens']:.3e}; vs the head alone: "
+                         f"o {r['rel_diff_vs_head_alone']:.3e}, final state {r['ht_diff_vs_head_alone']:.3e}")
+    for f in sweep_figures(rows):
+        drop = f["largest_drop"]
+        lines.append(
+            f"{f['sweep']} {f['mode']}: {f['points']} points, {f['key']} {f['from']:,}..{f['to']:,}, tokens/s "
+            f"{f['tokens_per_s_min']:.4g}..{f['tokens_per_s_max']:.4g}, largest drop "
+            + (f"{1 - drop[2]:.1%} ({f['key']} {drop[0]:,} -> {drop[1]:,})" if drop else "none (every step rises)")
+            + (f", peak MiB slope {f['peak_mib_slope']:.4f} (last {f['peak_mib_last']:g} MiB)"
+               if f["peak_mib_slope"] is not None else "")
+            + (f", out of memory at {f['key']} {f['oom_at']:,}" if f["oom_at"] else ""))
+    return "\n".join(lines)
+
+
+def plot_panels(rows: list[dict]):
+    """The four panels of the PNG (gdngen.bench.Panel); panels without points are dropped by the writer."""
+    from gdngen.bench import _PALETTE, Panel, Series, _pow2
+    mode_colour = {"fwd": _PALETTE[0], "fwd+bwd": _PALETTE[1]}
+    modes = ("fwd", "fwd+bwd")
+
+    def oom_note(case):
+        key = "T" if case == "T sweep" else "B"
+        notes = [f"{m} at {_pow2(_oom(rows, case, m)) if key == 'T' else _oom(rows, case, m)}" for m in modes
+                 if _oom(rows, case, m)]
+        return f" (out of memory: {', '.join(notes)})" if notes else ""
+
+    t_shape, b_shape = _shape(rows, "T sweep"), _shape(rows, "B sweep")
+    b_T = next((r["T"] for r in rows if r.get("case") == "B sweep" and "ms" in r), None)
+    panels = [
+        Panel(f"(a) tokens/s vs T, B=1 {t_shape}",
+              [Series(m, _points(rows, "T sweep", m, "T", "tokens_per_s"), mode_colour[m]) for m in modes],
+              xlabel="T" + oom_note("T sweep"), xlog2=True),
+        Panel(f"(b) peak MiB vs T (log-log), B=1 {t_shape}",
+              [Series(m, _points(rows, "T sweep", m, "T", "peak_mib"), mode_colour[m]) for m in modes],
+              xlabel="T", xlog2=True, ylog=True),
+        Panel(f"(c) tokens/s vs B, T={b_T} {b_shape}",
+              [Series(m, _points(rows, "B sweep", m, "B", "tokens_per_s"), mode_colour[m]) for m in modes],
+              xlabel="B" + oom_note("B sweep"), xlog2=True),
+    ]
+    long_rows = [r for r in rows if r.get("section") == "long" and "rel_rmse_o" in r]
+    series = []
+    dtypes = list(dict.fromkeys(r["dtype"] for r in long_rows if "T" in r))
+    for i, d in enumerate(dtypes):
+        colour = _PALETTE[(2 + i) % len(_PALETTE)]
+        mine = [r for r in long_rows if r.get("dtype") == d and "T" in r]
+        series += [Series(f"{d} o", [(r["T"], r["rel_rmse_o"]) for r in mine], colour),
+                   Series(f"{d} final state", [(r["T"], r["rel_rmse_ht"]) for r in mine], colour, dashed=True)]
+        tol = next((r["tol"] for r in mine if "tol" in r), None)
+        if tol:
+            Ts = [r["T"] for r in mine]
+            series.append(Series(f"{d} tol", [(min(Ts), tol), (max(Ts), tol)], _PALETTE[7], dashed=True))
+    big = [r for r in long_rows if "elements" in r]
+    if big:
+        series.append(Series(f"B*T*H*K = 2^31 ({big[0]['dtype']}, H={big[0]['shape'][2]}) o, heads "
+                             + " and ".join(r["case"].split("head ")[-1] for r in big),
+                             [(r["shape"][1], r["rel_rmse_o"]) for r in big], _PALETTE[4], join=False))
+    head = next(iter(long_rows), {})
+    panels.append(Panel(f"(d) rel-RMSE vs float64, B=1 H=HV={head.get('H', '?')}", series, xlabel="T",
+                        xlog2=True, ylog=True))
+    return panels
+
+
+def write_plot(rows: list[dict], path: Path) -> Path | None:
+    """PNG of the long and sweeps rows (2 x 2 panels); None when there is nothing to plot."""
+    from gdngen.bench import write_line_panels
+    try:
+        return write_line_panels(plot_panels(rows), Path(path), columns=2)
+    except ValueError:
+        print("plot: no long or sweeps rows, no PNG", file=sys.stderr)
+        return None
+
+
+# =============================================================================================
 
 def summary(ctx) -> int:
     print("\n| section | rows | ok | failed | skipped | worst / notes |")
@@ -615,7 +761,18 @@ def main(argv=None) -> int:
     parser.add_argument("--soak-seconds", type=float, default=None, help="soak length (default 120; dry run 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, toy sizes: checks the script")
+    parser.add_argument("--plot", metavar="FILE.jsonl", default=None,
+                        help="no measuring: draw the PNG and print the error table and sweep figures from a "
+                             "jsonl of this script")
+    parser.add_argument("--png", default=None, help="with --plot: PNG path (default: FILE with .png)")
     args = parser.parse_args(argv)
+    if args.plot:
+        rows = read_rows(Path(args.plot))
+        png = write_plot(rows, Path(args.png) if args.png else Path(args.plot).with_suffix(".png"))
+        print(format_figures(rows))
+        if png:
+            print(f"\nplot: {png}")
+        return 0
     if args.dry_run != DRY and args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"      # called in-process (tests): the caller set it before triton
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -636,6 +793,13 @@ def main(argv=None) -> int:
         print(f"== {name} (budget {seconds:g} s)", file=sys.stderr, flush=True)
         globals()[f"section_{name}"](ctx, Deadline(seconds))
         ctx.log(name, {"case": "section time", "seconds": time.perf_counter() - start, "ok": True})
+    if {"long", "sweeps"} & set(chosen):
+        try:
+            png = write_plot(ctx.rows, ctx.out / "stress.png")
+            if png:
+                print(format_figures(ctx.rows) + f"\nplot: {png}")
+        except Exception as exc:  # noqa: BLE001 - the rows are written; the plot can be redrawn with --plot
+            print(f"plot failed ({type(exc).__name__}: {exc}); redraw with --plot {ctx.path}", file=sys.stderr)
     return summary(ctx)
 
 
