@@ -128,6 +128,43 @@ def check_vs_fla(impls, cases):
         torch.cuda.empty_cache()
 
 
+def check_segments(cases):
+    """The time-segmented backward (gdngen.runtime.segments, B == 1) against the one-call backward at the
+    benchmark's single-sequence cases: every gradient (bitwise equality expected: the same kernels on the
+    same chunks), and the peak of each (the memory the segments exist to save)."""
+    from generated.gated_delta_rule import chunk_gated_delta_rule as ours
+    from gdngen.runtime import segments
+    from gdngen.runtime.tiles import override
+    for B, T, H, HV in cases:
+        if B != 1:
+            continue
+        leaves, do = inputs(B, T, H, HV, seed=5)
+        chosen = segments.backward_segments("gated_delta_rule", B=B, T=T, HV=HV, K=K, V=V, BT=64, varlen=False)
+        results = {}
+        for label, forced in (("segmented", None), ("one call", 1)):
+            ctx = override("gated_delta_rule", "backward_segments", value=forced) if forced else None
+            if ctx is not None:
+                ctx.__enter__()
+            try:
+                grads_of(ours, leaves, do)                       # compile
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                grads = grads_of(ours, leaves, do)
+                torch.cuda.synchronize()
+                results[label] = (grads, (torch.cuda.max_memory_allocated() - base) / 2**20)
+            finally:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+        (a, peak_a), (b, peak_b) = results["segmented"], results["one call"]
+        log({"kind": "check_segments", "case": [B, T, H, HV], "segments": chosen,
+             "bitwise_equal": {n: bool(torch.equal(x, y)) for n, x, y in zip(NAMES, a, b)},
+             "rel_rmse": {n: rel_rmse(x, y) for n, x, y in zip(NAMES, a, b)},
+             "peak_mib_segmented_step": peak_a, "peak_mib_one_call_step": peak_b})
+        del leaves, do, results, a, b
+        torch.cuda.empty_cache()
+
+
 def bench(impls, cases):
     for B, T, H, HV in cases:
         leaves, do = inputs(B, T, H, HV)
@@ -191,6 +228,8 @@ def main():
     parser.add_argument("--impls", default="gdngen,fla")
     parser.add_argument("--cases", default="all", choices=["all", "small"])
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--check-segments", action="store_true",
+                        help="with --skip-check: still compare the segmented backward with the one-call one")
     args = parser.parse_args()
     spec = load_spec("specs/gated_delta_rule.yaml")
     cases = CASES if args.cases == "all" else SMALL_CASES
@@ -199,6 +238,8 @@ def main():
         check_vs_reference(spec)
     if not args.skip_check:
         check_vs_fla(impls, cases)
+    if "gdngen" in impls and (not args.skip_check or args.check_segments):
+        check_segments(cases)
     bench(impls, cases)
     table()
 

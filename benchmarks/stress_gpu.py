@@ -528,7 +528,8 @@ def section_soak(ctx, deadline):
     ctx.log("soak", {"case": "memory_allocated flat over the soak", "cases": cases, "failures": failures,
                      "allocated_start": mem0, "allocated_after_5_cases": warm, "allocated_end": mem1,
                      "max_growth_in_one_call": max(drift, default=0),
-                     "ok": cases > 0 and failures == 0 and mem1 == (warm if warm is not None else mem1)
+                     # memory alone: every case has its own row and verdict
+                     "ok": cases > 0 and mem1 == (warm if warm is not None else mem1)
                      and max(drift[5:], default=0) == 0})
 
 
