@@ -7,7 +7,7 @@ Sections (``--sections``, comma-separated, default all):
                    (0, 2) through ``2*sigmoid`` with ``allow_neg_eigval``; unnormalised keys with large norms;
                    fp16 near overflow; NaN/Inf in one packed sequence must not reach the others (bitwise).
 2. ``long``        error vs float64 as T doubles from 4k to 1M (B=1, H=HV=4, K=V=128, bf16 and fp32), then one
-                   case with B*T*H*K = 2^31 elements (T=2^21, H=8) checked on its first and last head.
+                   case with B*T*H*K > 2^31 elements (T=2^21+2^16, H=8) checked on its first and last head.
 3. ``varlen``      1200 packed sequences with lengths 0 and 1 among them, bf16 and fp32.
 4. ``sweeps``      T from 128 doubling at B=1, H=16, HV=32 until memory or time runs out; B from 1 to 64 at
                    T=4096: ms, tokens/s, peak MiB (fwd and fwd+bwd); a drop of tokens/s by > 30% is a cliff.
@@ -16,7 +16,7 @@ Sections (``--sections``, comma-separated, default all):
                    GPU memory held by another allocation.
 
 Reference: ``gdngen.reference.run(..., form="chunked")`` in float64 on the GPU (chunk 64, or 256 for
-T >= 65536 to cut the Python loop; exact in float64 for any chunk size).  The 2^31-element case runs
+T >= 65536 to cut the Python loop; exact in float64 for any chunk size).  The > 2^31-element case runs
 the float64 reference on single heads (they are independent): head 0 and head H-1 (the largest offsets).
 
 Every row is appended to $OUT/stress.jsonl as it is measured; a summary table is printed last.
@@ -320,11 +320,12 @@ def section_long(ctx, deadline):
 
 
 def huge(ctx, deadline):
-    """B*T*H*K = 2^31 elements (beyond int32 offsets): heads 0 and H-1 vs float64 and vs the same
-    head run alone (small offsets)."""
-    B, T, H, K = (1, 512, 4, 16) if ctx.dry else (1, 2 ** 21, 8, 128)
+    """B*T*H*K > 2^31 elements (2^31 + 2^26: element offsets past the int32 range, as issue #11 asks;
+    stop 17 ran exactly 2^31, whose last offset still fits): heads 0 and H-1 vs float64 and vs the
+    same head run alone (small offsets)."""
+    B, T, H, K = (1, 512, 4, 16) if ctx.dry else (1, 2 ** 21 + 2 ** 16, 8, 128)
     if deadline.left() < (1 if ctx.dry else 60):
-        ctx.log("long", {"case": "B*T*H*K = 2^31", "skipped": "time budget", "ok": True})
+        ctx.log("long", {"case": "B*T*H*K > 2^31", "skipped": "time budget", "ok": True})
         return
     x = inputs(ctx, B, T, H, H, K=K, V=K, dtype=ctx.low, seed=ctx.seed + 7, h0=True)
     elements = B * T * H * K
@@ -332,7 +333,7 @@ def huge(ctx, deadline):
         o, ht = ours(x)
         ctx.sync()
     except Exception as exc:  # noqa: BLE001
-        ctx.log("long", {"case": "B*T*H*K = 2^31", "elements": elements, "error": repr(exc)[:400], "ok": False})
+        ctx.log("long", {"case": "B*T*H*K > 2^31", "elements": elements, "error": repr(exc)[:400], "ok": False})
         return
     tail = 64 if ctx.dry else 4096
     for h in (0, H - 1):
@@ -343,7 +344,7 @@ def huge(ctx, deadline):
         o_small, ht_small = ours(one)
         o_ref, ht_ref = ref(one, chunk_size=256)
         o_h, ht_h = o[:, :, h:h + 1], ht[:, h:h + 1]
-        row = {"case": f"B*T*H*K = 2^{math.log2(elements):.0f}, head {h}", "dtype": dname(ctx.low),
+        row = {"case": f"B*T*H*K = {elements} (2^{math.log2(elements):.2f}), head {h}", "dtype": dname(ctx.low),
                "shape": [B, T, H, K], "elements": elements,
                "rel_rmse_o": rel_rmse(o_h, o_ref), "rel_rmse_ht": rel_rmse(ht_h, ht_ref),
                "rel_rmse_o_last_tokens": rel_rmse(o_h[:, -tail:], o_ref[:, -tail:]),
@@ -639,7 +640,7 @@ def sweep_figures(rows: list[dict]) -> list[dict]:
 
 
 def format_figures(rows: list[dict]) -> str:
-    """Markdown: the long section's error table, the 2^31-element case, the sweep figures."""
+    """Markdown: the long section's error table, the > 2^31-element case, the sweep figures."""
     lines = []
     errs = {(r["T"], r["dtype"]): r for r in rows if r.get("section") == "long" and "T" in r and "rel_rmse_o" in r}
     if errs:
@@ -653,7 +654,7 @@ def format_figures(rows: list[dict]) -> str:
                 cells += [f"{r['rel_rmse_o']:.3e}", f"{r['rel_rmse_ht']:.3e}"] if r else ["", ""]
             lines.append(f"| {T:,} | " + " | ".join(cells) + " |")
     for r in rows:
-        if r.get("section") == "long" and "elements" in r:
+        if r.get("section") == "long" and "elements" in r and "rel_rmse_o" in r:
             lines.append(f"{r['case']} {r['dtype']} {r['shape']}: o {r['rel_rmse_o']:.3e}, final state "
                          f"{r['rel_rmse_ht']:.3e}, last tokens {r['rel_rmse_o_last_tokens']:.3e}; vs the head alone: "
                          f"o {r['rel_diff_vs_head_alone']:.3e}, final state {r['ht_diff_vs_head_alone']:.3e}")
@@ -706,9 +707,9 @@ def plot_panels(rows: list[dict]):
         if tol:
             Ts = [r["T"] for r in mine]
             series.append(Series(f"{d} tol", [(min(Ts), tol), (max(Ts), tol)], _PALETTE[7], dashed=True))
-    big = [r for r in long_rows if "elements" in r]
+    big = [r for r in long_rows if "elements" in r and "rel_rmse_o" in r]
     if big:
-        series.append(Series(f"B*T*H*K = 2^31 ({big[0]['dtype']}, H={big[0]['shape'][2]}) o, heads "
+        series.append(Series(f"B*T*H*K = 2^{math.log2(big[0]['elements']):.2f} ({big[0]['dtype']}, H={big[0]['shape'][2]}) o, heads "
                              + " and ".join(r["case"].split("head ")[-1] for r in big),
                              [(r["shape"][1], r["rel_rmse_o"]) for r in big], _PALETTE[4], join=False))
     head = next(iter(long_rows), {})
