@@ -93,13 +93,10 @@ def test_emulation_is_faithful_for_a_plain_dot(bf16_interpreter):
     assert torch.equal(r, c.bfloat16())
 
 
-@pytest.mark.parametrize("K,V", [
-    pytest.param(20, 100, marks=pytest.mark.xfail(strict=True, reason=(
-        "issue #7, open: kda's bf16 o error at K=20 is 5.1e-3 against the 5e-3 bar (bf16 intermediates: "
-        "V_new in float32 gives 4.3e-3); strict, so a fix shows up here"))),
-    (64, 64),
-])
+@pytest.mark.parametrize("K,V", [(20, 100), (64, 64)])
 def test_kda_bf16_head_dims_error(bf16_interpreter, K, V):
+    """K=20/V=100 was 5.1e-3 (the H200 measured 5.097e-3) while few programs put kda on the W/U path
+    (tiles.store_wu); per-channel specs now always take the T path: 4.6e-3."""
     o32, ht32 = _forward_error("kda", torch.float32, K, V)
     assert o32 <= 1e-5 and ht32 <= 1e-5                  # the algorithm is exact at float32 on this shape
     o, ht = _forward_error("kda", torch.bfloat16, K, V)
@@ -129,11 +126,12 @@ def test_intermediates_default_keeps_earlier_spec_hashes():
     spec = load_spec("specs/gated_delta_rule.yaml")
     assert spec.dtypes.intermediates == "input"
     shipped = json.load(open("gdngen/autotune/shipped/h200.json"))
-    assert {e["spec_hash"] for e in shipped["entries"].values()} == {spec.hash}
+    gdn = {e["spec_hash"] for key, e in shipped["entries"].items() if key.startswith("gated_delta_rule/")}
+    assert gdn == {spec.hash}
 
 
 def test_kda_k20_within_the_bar_with_float32_intermediates(bf16_interpreter, spec_variant):
-    """The remedy for the strict xfail above: the same shape with dtypes.intermediates: float32."""
+    """The same shape with dtypes.intermediates: float32: further inside the bar (3.2e-3)."""
     spec, module = spec_variant("kda", "f32_intermediates", intermediates="float32")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=7, B=1, T=300, H=2, HV=4, K=20, V=100)
     o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=64)

@@ -168,3 +168,4 @@ def test_store_wu_default_follows_program_count():
     from gdngen.runtime import store_wu
     assert store_wu("gated_delta_rule", N=1, HV=8) is True       # few programs: the chain is critical
     assert store_wu("gated_delta_rule", N=4, HV=32) is False     # many programs: traffic matters
+    assert store_wu("kda", N=1, HV=8, per_channel=True) is False  # per-channel decay: T, for precision

@@ -63,19 +63,26 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     raise ValueError(f"stage: unknown stage {stage!r}")
 
 
-def store_wu(spec_name: str, *, N: int, HV: int) -> bool:
+def store_wu(spec_name: str, *, N: int, HV: int, per_channel: bool = False) -> bool:
     """Whether the delta rule's wy stage writes W and U (True) or only T = (I + A)^-1 (False).
 
     Writing only T saves memory traffic (BT values per token instead of K + V) but puts one more
     dot on the state pass's sequential chain. With few sequences x heads the state pass runs on a
     fraction of the SMs and that chain is the critical path, so W and U pay off there
     (H200, K=V=128: (1,32768,2,8) 0.82 ms with W/U vs 0.99 ms with T; with N*HV >= 32, T wins:
-    (4,8192,16,32) 1.39 vs 1.69 ms - benchmarks/NOTES.md, run 6). ``override(spec, "store_wu",
-    value=...)`` forces either path.
+    (4,8192,16,32) 1.39 vs 1.69 ms - benchmarks/NOTES.md, run 6). ``per_channel`` (decay per key
+    channel): always T, for precision (below). ``override(spec, "store_wu", value=...)`` forces
+    either path.
     """
     forced = _OVERRIDES.get((spec_name, "store_wu"))
     if forced is not None:
         return bool(forced["value"])
+    if per_channel:
+        # decay per key channel: W and U rounded to the input dtype one by one lose what the T path
+        # keeps (V - K~ S subtracted in float32 before one rounding): kda bf16, K=20, V=100, B=1,
+        # H=2, HV=4: o error 5.10e-3 with W/U (5.097e-3 measured on the H200), 4.60e-3 with T
+        # (CPU, bf16-faithful interpreter) against issue #7's 5e-3 bar. Precision first here.
+        return False
     return N * HV < 32
 
 
