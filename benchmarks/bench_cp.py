@@ -12,8 +12,8 @@ cp: every rank times the plain op on the whole sequence (the 1-GPU baseline, eac
 the op on an equal shard alone (the no-communication floor), then ``context_parallel`` with rank 0's
 share of the tokens weighted by each of ``--first-weights`` (rank 0 carries no state in and runs the
 plain op, the other ranks the widened transfer pass; the slowest rank's time counts). Forward at the full length; forward+backward at ``--bwd-tokens``
-(the backward is whatever the op has: the float64 reference replay until generated backward kernels
-land, so the fwd+bwd rows measure the exchange's correctness and overhead, not the final speed).
+(the backward runs the op's generated backward kernels through the local pass's graph, plus the
+state-sized backward exchange).
 Rows carry the bytes put through collectives per call and the error against the 1-GPU result.
 
 split: forward of ``split_sequence_forward`` at segments 1 (plain op), 2, 4, 8, 16 and 'auto' (the
