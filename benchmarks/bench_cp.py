@@ -269,18 +269,21 @@ def main():
     parser.add_argument("--tokens", type=int, default=262144, help="cp: the whole sequence's length")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--value-heads", type=int, default=32)
-    parser.add_argument("--bwd-tokens", type=int, default=16384,
-                        help="cp: sequence length of the forward+backward rows (0: skip them)")
+    parser.add_argument("--bwd-tokens", type=int, default=None,
+                        help="cp: sequence length of the forward+backward rows (default: --tokens, the issue's "
+                             "262144; 0: skip them)")
     parser.add_argument("--first-weights", default="1,1.3,1.6,1.9",
                         help="cp: rank 0's share of the tokens relative to each other rank's, one CP row each")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--bwd-reps", type=int, default=2)
+    parser.add_argument("--bwd-reps", type=int, default=5)
     parser.add_argument("--split-shapes", default="1,131072,16,32;1,32768,2,8",
                         help="split: B,T,H,HV cases separated by ';'")
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a dry run with tiny shapes under TRITON_INTERPRET=1 (gloo, float32)")
     args = parser.parse_args()
+    if args.bwd_tokens is None:
+        args.bwd_tokens = args.tokens
     args.split_shapes = [tuple(int(n) for n in case.split(",")) for case in args.split_shapes.split(";")]
     args.first_weights = [float(w) for w in args.first_weights.split(",")]
     global DEVICE, DTYPE, K, V
