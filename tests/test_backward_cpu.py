@@ -225,8 +225,9 @@ def test_backward_default_tiles_avoid_the_hopper_miscompile(BT):
             for N, HV in ((1, 4), (2, 8), (4, 16), (16, 32)):
                 shape = dict(K=K, V=V, BT=BT, N=N, HV=HV, dtype=torch.bfloat16)
                 for stage in ("wy_prep", "intra", "chunk", "wy"):
-                    config = backward_tiles(stage, **shape)
-                    assert config["BK"] >= 64 and config.get("BV", 64) >= 64, (stage, shape, config)
+                    for per_channel in (False, True):
+                        config = backward_tiles(stage, **shape, per_channel=per_channel)
+                        assert config["BK"] >= 64 and config.get("BV", 64) >= 64, (stage, shape, config)
                 state = backward_tiles("state", **shape)
                 assert state["BK"] >= K, (shape, state)
                 assert state["num_stages"] >= 2, (shape, state)

@@ -42,9 +42,11 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
 
     The reverse state pass keeps the whole K extent of its [K, BV] gradient slice in registers,
     like the forward state pass, and narrows BV only while that leaves too few programs.
-    ``per_channel`` (vector decay): the chunk and wy_decay kernels unroll 16-row sub-blocks and
-    keep every [16, 16] block pair live; with 4 warps ptxas spilled 42-44 KB per thread of them
-    (kda, K=V=128, bf16, chunk 64: ``gdngen check --compile-sm90``), with 8 warps 0.9 and 7.5 KB.
+    ``per_channel`` (vector decay): the wy_decay kernel (and the chunk kernel until 2026-11-30)
+    unroll 16-row sub-blocks and keep every [16, 16] block pair live; with 4 warps ptxas spilled
+    42-44 KB per thread of them (kda, K=V=128, bf16, chunk 64: ``gdngen check --compile-sm90``),
+    with 8 warps 0.9 and 7.5 KB. The chunk kernel now holds whole-chunk [BT, BK] / [BT, BT]
+    float32 tiles: 255 registers, no spill at 8 warps (gla and kda, same shape); 1.5 KB at 4.
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "state":
@@ -57,6 +59,16 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         # Eight warps from BV=32 up: (1,32768,32,32) fwd+bwd 8.36 ms at BV=32/8 warps vs 8.57 at
         # BV=16/4 warps, and 8.58 vs 9.30 ms at BV=64 (benchmarks/profile_backward.py, NOTES.md).
         return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": 2}
+    if stage == "intra" and per_channel:
+        # the per-channel intra kernel builds its [BT, BT] scores once (~95% of its work) and then
+        # loops over value tiles: one tile up to V = 128. ptxas (Triton 3.6, sm_90, bf16, K=V=128,
+        # chunk 64): 223 registers, no spill at BV=128 and 4 warps; one warp's SASS critical path
+        # per chunk ~46k cycles against ~61k with two BV=64 tiles and ~91k when each tile was a
+        # program recomputing the scores (benchmarks/sass_profile.py; results/2026-11-30-offline-
+        # gla-backward-sass.md). Never below 64 (the [BT, BT] scores come out of a 64-wide
+        # product: the tile rule above); float32 keeps 64 (ptxas spills more at 128).
+        bv = 128 if pv >= 128 and dtype.itemsize <= 2 else 64
+        return {"BK": 64, "BV": bv, "num_warps": 4, "num_stages": 2}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):

@@ -1,0 +1,274 @@
+"""Offline SASS profile of a spec's backward kernels for sm_90 (no GPU): counts and a time model.
+
+Every backward launch of ``chunk_<spec>`` at one shape is recorded (``gdngen.compilecheck``:
+exactly the kernels, tiles and constexprs the runtime picks), compiled for sm_90 and disassembled
+with Triton's bundled ``nvdisasm``. Per kernel it reports, per warp and program (loop bodies times
+their trip counts): instructions in total and by class (MUFU.EX2, HMMA/HGMMA, LDG/LDGSTS, STG,
+LDS/LDSM, STS/STSM, BAR, SHFL), registers and spills (``ptxas -v``), shared memory, occupancy, and
+three lower bounds on an H200 (132 SMs, 1.98 GHz):
+
+* issue: warp instructions / (132 SMs x 4 schedulers x clock);
+* ex2: MUFU.EX2 warp instructions / (132 x 4 SMSPs x 0.5 per clock);
+* model: waves x max(one warp's critical path, issue of the warps sharing a scheduler). The
+  critical path replays the SASS in order with its control bits (stall counts, scoreboards):
+  fixed-latency ops cost their stall count, scoreboarded ones their assumed latency (LDG
+  ``--ldg`` cycles, LDS 30, SHFL 25, MUFU 18, BAR.SYNC 20, wgmma by its FLOPs at 4096/clock + 60).
+  It ignores contention between warps, bank conflicts and cache misses: a lower bound.
+
+Loop trip counts are not in the SASS; ``trips`` below gives them per kernel (from the sources).
+
+Run with Triton 3.6 (the H200's), e.g.::
+
+    PYTHONPATH=/tmp/tri36/site:. python benchmarks/sass_profile.py --specs gla,simple_gla
+    PYTHONPATH=/tmp/tri36/site:. python benchmarks/sass_profile.py --specs gla \
+        --override '{"chunk": {"BV": 128}}' --json out.json
+
+Written for benchmarks/results/2026-11-30-offline-gla-backward-sass.md.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SMS, CLK = 132, 1.98e9
+LAT = dict(ldg=300, lds=30, shfl=25, mufu=18, bar=20, read=6, other=20, tc_flops_per_clk=4096, hgmma_lat=60)
+CLASSES = [("ex2", ("MUFU.EX2",)), ("mma", ("HMMA", "HGMMA")), ("ldg", ("LDG.", "LDGSTS")), ("stg", ("STG",)),
+           ("lds", ("LDS", "LDSM")), ("sts", ("STS", "STSM")), ("bar", ("BAR",)), ("shfl", ("SHFL",))]
+
+
+def nvdisasm() -> str:
+    import triton
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm")
+
+
+def decode(cubin: bytes) -> tuple[list[dict], dict]:
+    """Instructions (op, args, predicate, control bits) and label -> index of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
+        handle.write(cubin)
+    try:
+        lines = subprocess.run([nvdisasm(), "-hex", "-c", handle.name], capture_output=True, text=True).stdout.splitlines()
+    finally:
+        os.unlink(handle.name)
+    ins, labels, i = [], {}, 0
+    while i < len(lines):
+        label = re.match(r"^\s*(\.L_x_\d+):", lines[i])
+        if label:
+            labels[label.group(1)] = len(ins)
+            i += 1
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);\s+/\* 0x[0-9a-f]{16} \*/", lines[i])
+        if m:
+            hi = int(re.search(r"/\* 0x([0-9a-f]{16}) \*/", lines[i + 1]).group(1), 16)
+            text = m.group(2).strip()
+            pm = re.match(r"(@!?U?P[T0-9]+)\s+(.*)", text)
+            body = pm.group(2) if pm else text
+            op = body.split()[0]
+            c = hi >> 41            # Volta+ control bits: stall, yield, write/read scoreboard, wait mask
+            ins.append(dict(op=op, args=body[len(op):].strip(), pred=pm.group(1) if pm else "", stall=c & 0xF,
+                            wb=(c >> 5) & 7, rb=(c >> 8) & 7, wait=(c >> 11) & 0x3F))
+            i += 2
+            continue
+        i += 1
+    return ins, labels
+
+
+def loops(ins, labels) -> list[tuple[int, int]]:
+    """[start, end) of every loop: a predicated branch back to an earlier label."""
+    out = []
+    for i, x in enumerate(ins):
+        m = re.search(r"(\.L_x_\d+)", x["args"]) if x["op"].startswith("BRA") and x["pred"] else None
+        if m and labels.get(m.group(1)) is not None and labels[m.group(1)] <= i:
+            out.append((labels[m.group(1)], i + 1))
+    return out
+
+
+def counts(ins, lo, hi) -> collections.Counter:
+    c = collections.Counter()
+    for x in ins[lo:hi]:
+        if x["op"] == "NOP":
+            continue
+        c["total"] += 1
+        for name, prefixes in CLASSES:
+            if x["op"].startswith(prefixes):
+                c[name] += 1
+    return c
+
+
+def critical_path(ins, lo, hi, lat) -> float:
+    """Cycles one warp needs to issue ins[lo:hi] alone (in order, control bits, assumed latencies)."""
+    t, sb, hg_busy, gsb = 0.0, [0.0] * 6, 0.0, 0.0
+    for x in ins[lo:hi]:
+        op = x["op"]
+        if op == "NOP":
+            continue
+        for i in range(6):
+            if x["wait"] >> i & 1:
+                t = max(t, sb[i])
+        if op.startswith("WARPGROUP.DEPBAR"):
+            t = max(t, gsb)
+        if op.startswith("BAR.SYNC"):
+            t += lat["bar"]
+        if op.startswith("HGMMA"):
+            mm, nn, kk = map(int, re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", op).groups())
+            hg_busy = max(hg_busy, t) + 2 * mm * nn * kk / lat["tc_flops_per_clk"]
+            gsb = hg_busy + lat["hgmma_lat"]
+        if x["wb"] != 7:
+            kind = ("ldg" if op.startswith("LDG") and not op.startswith("LDGDEPBAR") else
+                    "lds" if op.startswith(("LDS", "LDSM")) else "shfl" if op.startswith("SHFL") else
+                    "mufu" if op.startswith("MUFU") else "other")
+            sb[x["wb"]] = max(sb[x["wb"]], t + (0 if op.startswith("LDGDEPBAR") else lat[kind]))
+        if x["rb"] != 7:
+            sb[x["rb"]] = max(sb[x["rb"]], t + lat["read"])
+        t += max(x["stall"], 1)
+    return t
+
+
+def weighted(ins, lp, trips, fn):
+    """fn over the whole kernel with every loop body counted trips (times its parents') times."""
+    total = fn(0, len(ins))
+    for i, (a, b) in enumerate(lp):
+        parent = math.prod(trips[j] for j, (c, d) in enumerate(lp) if j != i and c <= a and b <= d)
+        extra = parent * trips[i] - parent
+        body = fn(a, b)
+        if isinstance(total, collections.Counter):
+            total.update({k: v * extra for k, v in body.items()})
+        else:
+            total += body * extra
+    return total
+
+
+def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
+    """Trip counts of the loops (from the kernel sources)."""
+    def has(a, b, *ops):
+        return any(x["op"].startswith(ops) for x in ins[a:b])
+    out = []
+    for a, b in lp:
+        if "_state_bwd" in name:
+            out.append(NT)                                   # reverse pass over the chunks
+        elif "_intra_bwd_kernel_bt" in name:                 # per-channel: c-loop 16, K tiles, V tiles
+            if has(a, b, "HGMMA", "HMMA") and not has(a, b, "MUFU"):
+                out.append(math.ceil(V / args["BV"]))
+            else:
+                out.append(16 if not has(a, b, "HGMMA", "HMMA") else math.ceil(K / args["BK"]))
+        elif "_intra_bwd" in name:
+            out.append(math.ceil(K / args["BK"]))
+        elif "_chunk_bwd_kernel_bt" in name:                 # diagonal columns 16, block rows BT/16 - 1
+            out.append(BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
+        else:
+            out.append(1)
+    return out
+
+
+def grid(name, args, *, B, HV, K, V, NT):
+    if "_intra_bwd_kernel_bt" in name:
+        return (1, NT, B * HV)             # per-channel: every value tile in one program (2026-11-30)
+    if "_intra_bwd" in name:
+        return (math.ceil(V / args["BV"]), NT, B * HV)
+    if "_state_bwd" in name:
+        return (math.ceil(V / args["BV"]), B * HV)
+    if "_chunk_bwd" in name:
+        return (math.ceil(K / args["BK"]), NT, B * HV)
+    if "_gates" in name:
+        return (NT, B, math.ceil(args["HV"] / args["BH"]))
+    return None
+
+
+def occupancy(regs, warps, shared):
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    return max(0, min(65536 // (per_warp * warps), 233472 // (shared + 1024), 64 // warps, 32))
+
+
+def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat):
+    import triton
+    from triton.compiler import ASTSource
+    from gdngen import compilecheck as cc
+    from gdngen.runtime import backward_tiles as bt
+    from gdngen.spec import catalogue, load_spec
+    NT = T // BT
+    rows = []
+    with contextlib.ExitStack() as stack:
+        for stage, config in overrides.items():
+            stack.enter_context(bt.override_backward(stage, **config))
+        for spec in [load_spec(p) for p in catalogue()]:
+            if spec.name not in specs:
+                continue
+            module = importlib.import_module(f"generated.{spec.name}")
+            seen = set()
+            for phase, launch in cc.capture(spec, module, cc.Shape(K, V, BT, dtype, B, H, HV)):
+                key = cc._key(launch)
+                if phase != "bwd" or key in seen:
+                    continue
+                seen.add(key)
+                name = launch.fn.__name__
+                g = grid(name, launch.args, B=B, HV=HV, K=K, V=V, NT=NT)
+                if g is None:
+                    continue
+                signature, constexprs, attrs = cc._signature(launch)
+                compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=cc._target(),
+                                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
+                    handle.write(compiled.asm["ptx"])
+                info = subprocess.run([cc.ptxas_path(), "-v", "-arch=sm_90a", handle.name, "-o", os.devnull],
+                                      capture_output=True, text=True).stderr
+                os.unlink(handle.name)
+                regs = int(re.findall(r"Used (\d+) registers", info)[0])
+                spill = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info))
+                ins, labels = decode(compiled.asm["cubin"])
+                lp = loops(ins, labels)
+                tr = trips(name, ins, lp, launch.args, K=K, V=V, BT=BT, NT=NT)
+                per_warp = weighted(ins, lp, tr, lambda a, b: counts(ins, a, b))
+                path = weighted(ins, lp, tr, lambda a, b: critical_path(ins, a, b, lat))
+                w, shared = launch.num_warps, compiled.metadata.shared
+                programs, occ = math.prod(g), occupancy(regs, w, compiled.metadata.shared)
+                waves = math.ceil(programs / (SMS * occ))
+                rows.append(dict(
+                    spec=spec.name, kernel=name, config=cc._launch_config(launch), grid=g, programs=programs,
+                    regs=regs, spill=spill, shared=shared, warps=w, ctas_per_sm=occ, waves=waves,
+                    loops=[(a, b, t) for (a, b), t in zip(lp, tr)], per_warp=dict(per_warp),
+                    critical_path_cycles=round(path),
+                    issue_ms=per_warp["total"] * w * programs / (SMS * 4 * CLK) * 1e3,
+                    ex2_ms=per_warp["ex2"] * w * programs / (SMS * 4 * 0.5 * CLK) * 1e3,
+                    model_ms=waves * max(path, occ * w / 4 * per_warp["total"]) / CLK * 1e3))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--specs", default="gla,simple_gla")
+    parser.add_argument("--shape", default="4,8192,16,16,128,128", help="B,T,H,HV,K,V")
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--override", default="{}", help='backward tiles per stage, e.g. {"chunk": {"BV": 128}}')
+    parser.add_argument("--latency", default="{}", help='model latencies, e.g. {"ldg": 600, "bar": 40}')
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    B, T, H, HV, K, V = map(int, args.shape.split(","))
+    rows = profile(args.specs.split(","), B=B, T=T, H=H, HV=HV, K=K, V=V, BT=args.chunk, dtype=args.dtype,
+                   overrides=json.loads(args.override), lat={**LAT, **json.loads(args.latency)})
+    print("| spec | kernel | tiles | grid | regs | spill | CTA/SM | instr | EX2 | MMA | LDG | STG | LDS | STS | BAR "
+          "| SHFL | issue ms | model ms |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        p = r["per_warp"]
+        print(f"| {r['spec']} | {r['kernel']} | {r['config']} | {'x'.join(map(str, r['grid']))} | {r['regs']} "
+              f"| {r['spill']} | {r['ctas_per_sm']} | {p.get('total', 0)} | {p.get('ex2', 0)} | {p.get('mma', 0)} "
+              f"| {p.get('ldg', 0)} | {p.get('stg', 0)} | {p.get('lds', 0)} | {p.get('sts', 0)} | {p.get('bar', 0)} "
+              f"| {p.get('shfl', 0)} | {r['issue_ms']:.3f} | {r['model_ms']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
