@@ -347,3 +347,16 @@ def test_cli_tune_stage_words(capsys):
     assert seen == [["fwd", "bwd"], ["state", "bwd"]]
     assert main(["tune", SPEC, "--interpret", "--stages", "state_backward"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+def test_per_channel_intra_default_passes_the_register_estimate():
+    """The per-channel intra default (BV=128, 4 warps at K=V=128 bf16; 223 registers, no spill under
+    ptxas for sm_90) must be a candidate the tuner can keep, and its neighbours timed, not pruned."""
+    shape = dict(SHAPE, K=128, V=128, dtype=BF16)
+    default = default_backward_tiles("intra", **shape, per_channel=True)
+    assert default["BV"] == 128 and default["num_warps"] == 4
+    assert space.regs_per_thread("intra_bwd", default, BT=64, per_channel=True) <= space.REG_LIMIT
+    pruned = []
+    space.candidates("intra_bwd", K=128, V=128, BT=64, dtype=BF16, default=default, device=H200,
+                     per_channel=True, pruned=pruned)
+    assert not any(c == default for c, _ in pruned)

@@ -178,7 +178,9 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
     elif stage == "wy_prep_bwd":
         live = BT * BT + BT * BK
     elif stage == "intra_bwd":
-        live = BT * BT + BT * BV + blocks
+        # per channel: the scores come from whole-chunk q, k, g tiles (no [16, 16, BK] block
+        # product since 31a4e95; ptxas: 223 registers at BT=64, BK=64, BV=128, 4 warps)
+        live = BT * BT + BT * BV + (3 * BT * BK if per_channel else 0)
     elif stage == "state_bwd":
         live = BK * BV + 2 * BT * BV
     elif stage == "chunk_bwd":
