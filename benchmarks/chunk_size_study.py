@@ -15,7 +15,7 @@ Grid: head dims K = V in {64, 128, 256}; a short class (B, T) = (8, 2048) and a 
 
 Every row is appended to $OUT/chunk_size.jsonl as soon as it is measured (a run killed at a time limit
 keeps what it wrote); a markdown table (winner per (K, class), ms and error per chunk size) is printed
-last and $OUT/chunk_size.png drawn (matplotlib when importable, else gdngen.bench's built-in PNG
+last and $OUT/chunk_size.png drawn (matplotlib when importable, else gdngen.plot's built-in PNG
 rasteriser): time relative to the default chunk size and error, each against chunk size, a line per
 head dim (solid: short class, dashed: long class).  ``--budget`` seconds: a (K, chunk size) group
 starts only if the time left covers what the previous group took; the rest are logged as skipped.
@@ -388,9 +388,9 @@ def _series(rows: list[dict]):
 
 
 def write_plot(rows: list[dict], path: Path) -> Path | None:
-    """PNG of the panels (gdngen.bench.write_line_panels: matplotlib when importable, else its
+    """PNG of the panels (gdngen.plot.write_line_panels: matplotlib when importable, else its
     built-in rasteriser); a colour per head dim, solid: short class, dashed: long. None: nothing to plot."""
-    from gdngen.bench import _PALETTE, Panel, Series, write_line_panels
+    from gdngen.plot import _PALETTE, Panel, Series, write_line_panels
     sizes, panels = _series(rows)
     if not panels:
         print("plot: no measured rows, no PNG", file=sys.stderr)

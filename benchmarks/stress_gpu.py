@@ -31,7 +31,7 @@ Every row is appended to $OUT/stress.jsonl as it is measured; a summary table is
 
 The ``long`` and ``sweeps`` rows are also drawn to $OUT/stress.png (``--plot`` redraws it from a jsonl and
 prints the error table and the sweep figures): tokens/s and peak MiB against T, tokens/s against B, and
-the error vs float64 against T (matplotlib when importable, else gdngen.bench's built-in rasteriser).
+the error vs float64 against T (matplotlib when importable, else gdngen.plot's built-in rasteriser).
 """
 from __future__ import annotations
 
@@ -671,8 +671,8 @@ def format_figures(rows: list[dict]) -> str:
 
 
 def plot_panels(rows: list[dict]):
-    """The four panels of the PNG (gdngen.bench.Panel); panels without points are dropped by the writer."""
-    from gdngen.bench import _PALETTE, Panel, Series, _pow2
+    """The four panels of the PNG (gdngen.plot.Panel); panels without points are dropped by the writer."""
+    from gdngen.plot import _PALETTE, Panel, Series, _pow2
     mode_colour = {"fwd": _PALETTE[0], "fwd+bwd": _PALETTE[1]}
     modes = ("fwd", "fwd+bwd")
 
@@ -720,7 +720,7 @@ def plot_panels(rows: list[dict]):
 
 def write_plot(rows: list[dict], path: Path) -> Path | None:
     """PNG of the long and sweeps rows (2 x 2 panels); None when there is nothing to plot."""
-    from gdngen.bench import write_line_panels
+    from gdngen.plot import write_line_panels
     try:
         return write_line_panels(plot_panels(rows), Path(path), columns=2)
     except ValueError:

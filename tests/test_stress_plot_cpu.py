@@ -1,5 +1,5 @@
 """benchmarks/stress_gpu.py --plot on synthetic rows (no GPU, no kernels): the PNG of the long and sweeps
-sections drawn by gdngen.bench's line panels, and the figures printed for docs/reliability.md."""
+sections drawn by gdngen.plot's line panels, and the figures printed for docs/reliability.md."""
 import importlib.util
 import json
 import struct
@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from gdngen import bench
+from gdngen import plot
 from gdngen.render import ROOT
 
 
@@ -21,7 +21,7 @@ def load_script():
 
 
 def png_pixels(path):
-    """(width, height, set of RGB colours) of an 8-bit RGB PNG written by gdngen.bench.Canvas."""
+    """(width, height, set of RGB colours) of an 8-bit RGB PNG written by gdngen.plot.Canvas."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height, depth, colour_type = struct.unpack(">IIBB", data[16:26])
@@ -79,7 +79,7 @@ def test_plot_mode_writes_the_png_and_figures(tmp_path, monkeypatch, capsys):
     assert stress.main(["--plot", str(src), "--png", str(out)]) == 0
     width, height, colours = png_pixels(out)
     assert width == 2 * 560 and height > 2 * 360                 # 2 x 2 panels
-    for colour in (bench._PALETTE[0], bench._PALETTE[1], bench._PALETTE[2], bench._PALETTE[3], bench._PALETTE[4]):
+    for colour in (plot._PALETTE[0], plot._PALETTE[1], plot._PALETTE[2], plot._PALETTE[3], plot._PALETTE[4]):
         assert bytes(colour) in colours                          # fwd, fwd+bwd, bf16, fp32, the 2^31 case
     text = capsys.readouterr().out
     assert "| 4,096 | 3.500e-03 | 2.800e-03 | 3.300e-07 | 2.640e-07 |" in text
@@ -116,13 +116,13 @@ def test_sweep_figures_slope_and_drop():
 
 
 def test_line_panels_canvas_log_axes_and_empty(tmp_path):
-    panels = [bench.Panel("log-log", [bench.Series("a", [(1, 1e-3), (1024, 1e2)], bench._PALETTE[5]),
-                                      bench.Series("b", [(2, 5.0)], bench._PALETTE[6], dashed=True, join=False)],
+    panels = [plot.Panel("log-log", [plot.Series("a", [(1, 1e-3), (1024, 1e2)], plot._PALETTE[5]),
+                                      plot.Series("b", [(2, 5.0)], plot._PALETTE[6], dashed=True, join=False)],
                           xlabel="t", xlog2=True, ylog=True),
-              bench.Panel("empty", [bench.Series("none", [])])]
-    path = bench.draw_line_panels(panels, tmp_path / "p.png")
+              plot.Panel("empty", [plot.Series("none", [])])]
+    path = plot.draw_line_panels(panels, tmp_path / "p.png")
     width, _, colours = png_pixels(path)
     assert width == 560                                          # the empty panel is left out
-    assert bytes(bench._PALETTE[5]) in colours and bytes(bench._PALETTE[6]) in colours
+    assert bytes(plot._PALETTE[5]) in colours and bytes(plot._PALETTE[6]) in colours
     with pytest.raises(ValueError):
-        bench.draw_line_panels([panels[1]], tmp_path / "q.png")
+        plot.draw_line_panels([panels[1]], tmp_path / "q.png")
