@@ -47,7 +47,7 @@ def log(row):
 def step_fn(spec, module, case, backward):
     """The op on fresh bf16 inputs of ``case``: forward only, or forward + backward."""
     B, T, H, HV = case
-    inputs = make_inputs(spec, Case(B, T, H, HV, K, V), torch.bfloat16 if DEVICE == "cuda" else torch.float32, DEVICE,
+    inputs = make_inputs(spec, Case("profile", B, T, H, HV, K, V), torch.bfloat16 if DEVICE == "cuda" else torch.float32, DEVICE,
                          requires_grad=backward)
     chunk = getattr(module, spec.chunk_function)
     if not backward:
