@@ -276,3 +276,35 @@ def test_valid_call_passes_validation():
                             cu_seqlens=torch.tensor([0, 3, 3, T], dtype=torch.int32),
                             initial_state=torch.zeros(3, HV, K, V))
     assert p.N == 3 and p.varlen
+
+
+# -- CUDA grid limits: the chunk stages launch chunks and (sequence x value head) pairs on grid axes
+# that CUDA caps at 65535 programs; past it a launch fails with "invalid argument" (seen on the H200)
+
+def test_too_many_sequences_times_value_heads():
+    x = _inputs(b=1, t=1, h=1, hv=65536, k=1, v=1)
+    msg = _raises(ValueError, "v", chunk_simple_gla, q=x["q"], k=x["k"], v=x["v"], g=x["g"])
+    assert "65536" in msg and "65535" in msg
+
+
+def test_too_many_chunks_dense():
+    t = 65535 * 16 + 1                      # one chunk past the limit at chunk_size=16
+    x = _inputs(b=1, t=t, h=1, hv=1, k=1, v=1)
+    msg = _raises(ValueError, "q", chunk_simple_gla, q=x["q"], k=x["k"], v=x["v"], g=x["g"], chunk_size=16)
+    assert "65536 chunks" in msg and "chunk_size=16" in msg
+
+
+def test_too_many_chunks_varlen_counts_each_sequence():
+    # T = 65535 chunks of 16 when packed densely, but split in two sequences each ends in a partial
+    # chunk: 32768 + 32768 = 65536 launched chunks
+    t = 65535 * 16
+    x = _inputs(b=1, t=t, h=1, hv=1, k=1, v=1)
+    cu = torch.tensor([0, 16 * 32767 + 1, t], dtype=torch.int32)
+    msg = _raises(ValueError, "q", chunk_simple_gla, q=x["q"], k=x["k"], v=x["v"], g=x["g"], cu_seqlens=cu,
+                  chunk_size=16)
+    assert "65536 chunks" in msg
+
+
+def test_grid_limit_not_applied_below_it():
+    x = _inputs(b=1, t=65535 * 16, h=1, hv=1, k=1, v=1)
+    validate_chunk_call(GDR_INFO, x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=16)

@@ -76,6 +76,30 @@ def _shape(name: str, x: torch.Tensor, expected: tuple, what: str) -> None:
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(x.shape)}")
 
 
+# CUDA launches at most 65535 programs along a grid's 2nd and 3rd axes; the chunk stages put the
+# chunks and the (sequence x value head) pairs there, so a call past it would fail inside a launch
+# with "invalid argument" - say which argument instead.
+GRID_ROWS = 65535
+
+
+def _check_grid_rows(B: int, T: int, HV: int, N: int, chunk_size, offsets) -> None:
+    """``offsets``: cu_seqlens read on the host, or None (dense, or values not readable: the packed
+    chunks are then bounded by T alone, which a packed batch can exceed by at most N - 1)."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        return                    # a recurrent call: its grid is one flat axis
+    if max(B, N) * HV > GRID_ROWS:
+        raise ValueError(f"v: {max(B, N)} sequences x HV={HV} value heads = {max(B, N) * HV} exceeds the "
+                         f"{GRID_ROWS} programs a CUDA grid axis allows; call in smaller batches")
+    if offsets is not None:
+        chunks = sum(-(-(b - a) // chunk_size) for a, b in zip(offsets, offsets[1:]))
+    else:
+        chunks = -(-T // chunk_size)
+    if chunks > GRID_ROWS:
+        raise ValueError(f"q: T={T} makes {chunks} chunks of chunk_size={chunk_size}, past the {GRID_ROWS} "
+                         f"programs a CUDA grid axis allows; use a larger chunk_size or split the sequence "
+                         f"(initial_state / output_final_state carry the state across calls)")
+
+
 def validate_chunk_call(
     info: dict,
     q, k, v, g=None, beta=None, *,
@@ -172,6 +196,7 @@ def validate_chunk_call(
         raise ValueError(f"chunk_size: expected one of {list(info['chunk_sizes'])}, got {chunk_size!r}")
 
     varlen = cu_seqlens is not None
+    offsets = None
     if varlen:
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -193,9 +218,11 @@ def validate_chunk_call(
                 raise ValueError(f"cu_seqlens: expected to start at 0 and end at T={T}, got {host[0]} .. {host[-1]}")
             if any(b < a for a, b in zip(host, host[1:])):
                 raise ValueError("cu_seqlens: offsets must be non-decreasing")
+            offsets = host
     else:
         N = B
 
+    _check_grid_rows(B, T, HV, N, chunk_size, offsets)
     feature_map, K = validate_feature_map(info, feature_map, feature_projection, q)
     if initial_state is not None:
         initial_state = _tensor("initial_state", initial_state)
