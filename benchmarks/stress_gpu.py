@@ -54,6 +54,7 @@ import torch.nn.functional as F                 # noqa: E402
 
 from gdngen import reference                    # noqa: E402
 from gdngen.selfcheck import poisoned_memory, rel_rmse   # noqa: E402
+from gdngen.runtime.validate import GRID_ROWS      # noqa: E402
 from gdngen.spec import load_spec               # noqa: E402
 
 SECTIONS = ("numerics", "long", "varlen", "sweeps", "soak", "determinism")
@@ -436,7 +437,8 @@ def sweep_point(ctx, label, B, T, H, HV, mode):
 
 def section_sweeps(ctx, deadline):
     H, HV = (1, 2) if ctx.dry else (16, 32)
-    t_max = 256 if ctx.dry else 2 ** 24
+    # past 65535 chunks of 64 (T > 2^22 - 64) the op refuses the call (CUDA's grid-axis limit)
+    t_max = 256 if ctx.dry else min(2 ** 24, GRID_ROWS * 64)
     for mode in ("fwd", "fwd+bwd"):
         T, previous = 128 if not ctx.dry else 32, None
         while T <= t_max and not deadline.over():
