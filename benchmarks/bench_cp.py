@@ -17,7 +17,8 @@ state-sized backward exchange).
 Rows carry the bytes put through collectives per call and the error against the 1-GPU result.
 
 split: forward of ``split_sequence_forward`` at segments 1 (plain op), 2, 4, 8, 16 and 'auto' (the
-heuristic's pick, recorded), each checked against the plain op.
+tuner's cached count, ``gdngen tune ... --stages split``, else 1; recorded as ``auto=N``), each
+checked against the plain op.
 """
 from __future__ import annotations
 
@@ -223,7 +224,7 @@ def mode_split(args) -> list:
     table = []
     for B, T, H, HV in args.split_shapes:
         x = make_inputs(B, T, H, HV, DEVICE)
-        auto = choose_segments(B * HV, T, DEVICE)
+        auto = choose_segments(fn, **x)                 # what segments='auto' runs (tuned, else 1)
         with torch.no_grad():
             o_ref, h_ref = fn(**x, output_final_state=True)
             plain = None
@@ -274,14 +275,22 @@ def main():
                              "262144; 0: skip them)")
     parser.add_argument("--first-weights", default="1,1.3,1.6,1.9",
                         help="cp: rank 0's share of the tokens relative to each other rank's, one CP row each")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per row (default 10; --device cpu: 1)")
     parser.add_argument("--bwd-reps", type=int, default=5)
-    parser.add_argument("--split-shapes", default="1,131072,16,32;1,32768,2,8",
-                        help="split: B,T,H,HV cases separated by ';'")
-    parser.add_argument("--head-dim", type=int, default=128, help="K = V")
+    parser.add_argument("--split-shapes", default=None,
+                        help="split: B,T,H,HV cases separated by ';' (default 1,131072,16,32;1,32768,2,8; "
+                             "--device cpu: 1,512,2,8)")
+    parser.add_argument("--head-dim", type=int, default=None, help="K = V (default 128; --device cpu: 16)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a dry run with tiny shapes under TRITON_INTERPRET=1 (gloo, float32)")
     args = parser.parse_args()
+    dry = args.device == "cpu"
+    if args.reps is None:
+        args.reps = 1 if dry else 10
+    if args.split_shapes is None:
+        args.split_shapes = "1,512,2,8" if dry else "1,131072,16,32;1,32768,2,8"
+    if args.head_dim is None:
+        args.head_dim = 16 if dry else 128
     if args.bwd_tokens is None:
         args.bwd_tokens = args.tokens
     args.split_shapes = [tuple(int(n) for n in case.split(",")) for case in args.split_shapes.split(";")]

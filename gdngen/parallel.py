@@ -24,6 +24,7 @@ initial state.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import dataclass, field
@@ -102,6 +103,21 @@ class _Call:
     def chunk_size(self) -> int:
         size = self.named.get("chunk_size")
         return size if isinstance(size, int) and size > 0 else 64
+
+    def same_paths_as(self, sequences: int):
+        """A context in which the op takes the kernel paths a call over ``sequences`` sequences takes.
+
+        The op picks some paths by its batch size (the delta rule's W/U-in-memory vs T, N * HV < 32:
+        :func:`gdngen.runtime.tiles.store_wu`) and the two round bf16 differently (2.66e-3 apart at
+        (1,32768,2,8) on the H200, each ~3.4e-3 from float64). A split or sharded call runs other
+        batch sizes than the call it stands for; pinned, it matches that call to the rounding at
+        the piece boundaries (1e-4), and the segment count (the tuner's choice) changes no numerics.
+        """
+        name = (self.info or {}).get("name")
+        if not name:
+            return contextlib.nullcontext()
+        from gdngen.runtime.tiles import decide_as_for
+        return decide_as_for(name, N=sequences)
 
     def closed_form_decay(self) -> Optional[str]:
         """'none' | 'scalar' | 'vector' when the transfer has a closed form for this call, else None.
@@ -471,7 +487,7 @@ class _ContextParallel(torch.autograd.Function):
         local_call = call.with_args(**dict(zip(names, leaves)))
         B, T, H, HV, K, V = call.shape
         device = call.named["q"].device
-        with grad_mode():
+        with grad_mode(), call.same_paths_as(plan.N):      # the 1-GPU call's paths, whatever this shard holds
             local = _local_pass(local_call, plan.layout, transfer)
             out_N = local.final_N[plan.out_rows]
             out_M = (local.final_M[plan.out_rows] if local.final_M is not None
@@ -660,23 +676,35 @@ def shard_tokens(x: Optional[Tensor], group=None, dim: int = 1, sizes: Optional[
 # Within one device: segments of long sequences as a batch
 # =============================================================================================
 
-def choose_segments(batch_heads: int, seq_len: int, device, *, min_segment: int = 4096, max_segments: int = 16) -> int:
-    """How many segments to split each sequence into (1: no split).
+def choose_segments(fn: Callable, *args, **kwargs) -> int:
+    """The segment count ``split_sequence_forward(fn, *args, segments="auto", **kwargs)`` uses (1: no split).
 
-    The sequential inter-chunk pass runs one program per (sequence, value head, V tile); when
-    ``B * HV`` is small against the SM count most SMs idle, and segments computed side by side
-    fill them. Heuristic: the largest power of two ``S <= SMs / (B * HV)`` (at most
-    ``max_segments``) that leaves segments of at least ``min_segment`` tokens; 1 off CUDA.
+    The tuner's measured choice for the call's shape class (``gdngen tune ... --stages split``: every
+    count checked against the unsplit call, then timed; a count must beat no split to win), and 1
+    where the cache has none (untuned shapes, CPU, a function that is not a generated op). No guess
+    by SM count: the delta rule's split runs the op at ``V + K`` width, and on the H200 every split
+    measured about twice the plain op, including where B * HV leaves most SMs idle ((1,32768,2,8)
+    K=V=128 bf16: 1.20 ms unsplit, 2.12-3.44 ms at 2-16 segments; (1,131072,16,32): 7.82 vs 14.8 ms;
+    benchmarks/results/2026-11-30-h200-stop18-split.txt).
     """
-    device = torch.device(device)
-    if device.type != "cuda" or batch_heads <= 0:
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    target = min(max_segments, sms // batch_heads)
-    segments = 1
-    while segments * 2 <= target and seq_len // (segments * 2) >= min_segment:
-        segments *= 2
-    return segments
+    call = _Call.bind(fn, args, kwargs)
+    sequences, longest, _ = _sequence_extent(call)
+    return _auto_segments(call, sequences, longest)
+
+
+def _sequence_extent(call: _Call):
+    """(sequences, longest sequence's tokens, host offsets or None) of a call."""
+    B, T = call.shape[:2]
+    cu_seqlens = call.named["cu_seqlens"]
+    if cu_seqlens is None:
+        return B, T, None
+    offsets = _host_offsets(cu_seqlens)
+    return len(offsets) - 1, max((b - a for a, b in zip(offsets, offsets[1:])), default=0), offsets
+
+
+def _auto_segments(call: _Call, sequences: int, longest: int) -> int:
+    """segments='auto': the tuner's count, or no split."""
+    return _tuned_segments(call, sequences, longest) or 1
 
 
 def _tuned_segments(call: _Call, sequences: int, longest: int) -> Optional[int]:
@@ -741,11 +769,14 @@ def split_sequence_forward(fn: Callable, *args, segments="auto", transfer: str =
     """A chunk op on one device with each long sequence cut into segments computed side by side.
 
     Same arguments and results as ``fn`` (a generated ``chunk_<name>``), plus ``segments``: an int
-    (1 = no split) or 'auto' (the tuner's count for the shape class, ``gdngen tune --stages split``,
-    else :func:`choose_segments`: by ``B * HV`` against the SM count; no split on CPU). Each sequence is cut into ``segments`` pieces (lengths rounded up to the chunk size);
-    one call of the op computes every piece from a zero start together with its transfer
-    ``(M, N)``, a scan over the pieces gives their true start states, and each piece's outputs are
-    corrected by ``S_start^T p_t`` -- exact, equal to the unsplit call up to float rounding.
+    (1 = no split) or 'auto' (:func:`choose_segments`: the tuner's measured count for the shape
+    class, ``gdngen tune --stages split``, else 1 -- no split unless measured faster). Each
+    sequence is cut into ``segments`` pieces (lengths rounded up to the chunk size); one call of
+    the op computes every piece from a zero start together with its transfer ``(M, N)``, a scan
+    over the pieces gives their true start states, and each piece's outputs are corrected by
+    ``S_start^T p_t`` -- exact, equal to the unsplit call up to float rounding: the pieces run on
+    the kernel paths the unsplit call takes (:meth:`_Call.same_paths_as`), so with bf16 inputs
+    only the tokens just past a piece boundary differ (rounded through the correction).
     Differentiable (plain autograd, one backward pass of the op). Packed varlen batches are split
     per sequence. ``transfer`` as in :func:`context_parallel`.
     """
@@ -753,12 +784,9 @@ def split_sequence_forward(fn: Callable, *args, segments="auto", transfer: str =
     _check_transfer(call, transfer)
     B, T, H, HV, K, V = call.shape
     cu_seqlens = call.named["cu_seqlens"]
-    offsets = _host_offsets(cu_seqlens) if cu_seqlens is not None else None
-    longest = T if offsets is None else max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-    sequences = B if offsets is None else len(offsets) - 1
+    sequences, longest, offsets = _sequence_extent(call)
     if segments == "auto":
-        segments = _tuned_segments(call, sequences, longest) or choose_segments(sequences * HV, longest,
-                                                                                call.named["q"].device)
+        segments = _auto_segments(call, sequences, longest)
     elif isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"segments: expected a positive int or 'auto', got {segments!r}")
     chunk = call.chunk_size
@@ -784,7 +812,8 @@ def split_sequence_forward(fn: Callable, *args, segments="auto", transfer: str =
         local_call = call.with_args(**{n: x.reshape(B * pieces, segment, *x.shape[2:]) for n, x in packed.items()})
         layout = _Layout(None, [(0, segment)] * (B * pieces), layout.carry, layout.init_rows)
 
-    local = _local_pass(local_call, layout, transfer)
+    with call.same_paths_as(sequences):                 # the unsplit call's kernel paths (its rounding)
+        local = _local_pass(local_call, layout, transfer)
     S_in = _scan_pieces(local, rows_of)
     o = local.outputs(S_in).reshape(B, T, *local.o_fresh.shape[2:])
     final = None

@@ -128,6 +128,7 @@ def _worker_checks(rank):
     o_ref, final_ref = fn(**x, output_final_state=True, chunk_size=CHUNK)
     if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
         raise AssertionError("inference call differs from one process")
+    _check_cp_kernel_path(rank)
     bad = dict(shards, cu_seqlens=torch.tensor([0, 20, 40], dtype=torch.int32))   # ends at 40, not 96
     try:
         context_parallel(fn, **bad)
@@ -136,6 +137,34 @@ def _worker_checks(rank):
             raise
     else:
         raise AssertionError("mismatched cu_seqlens was accepted")
+
+
+def _check_cp_kernel_path(rank):
+    """Every rank's op calls take the 1-process call's kernel path (tiles.store_wu by N * HV): 4 packed
+    sequences x HV=8 take the T path, while a shard's 1 or 2 local sequences alone would take W/U
+    (the paths round bf16 differently: 2.66e-3 apart at (1,32768,2,8) on the H200)."""
+    import generated.gated_delta_rule as gdn
+    from gdngen.runtime.tiles import store_wu
+    seen = []
+
+    def spy(spec_name, **kwargs):
+        seen.append((kwargs["N"], store_wu(spec_name, **kwargs)))
+        return seen[-1][1]
+    x = make_inputs(gdn.SPEC, H=2, HV=8, K=16, V=16, seed=4, lengths=[20, 50, 7, 19])
+    shards = {k: (v.chunk(2, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
+    real, gdn.store_wu = gdn.store_wu, spy
+    try:
+        with torch.no_grad():
+            o, final = context_parallel(gdn.chunk_gated_delta_rule, **shards, output_final_state=True, chunk_size=CHUNK)
+    finally:
+        gdn.store_wu = real
+    expected = store_wu("gated_delta_rule", N=4, HV=8)
+    local_N = {N for N, _ in seen}
+    if expected or not seen or any(d != expected for _, d in seen) or not local_N & {1, 2}:
+        raise AssertionError(f"rank {rank}: store_wu decisions {seen}, the 1-process call's: {expected}")
+    o_ref, final_ref = gdn.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=CHUNK)
+    if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
+        raise AssertionError("HV=8 varlen call differs from one process")
 
 
 def _run_group(tmp_path, world, cases):
@@ -204,10 +233,51 @@ def test_shard_sizes():
         shard_sizes(100, 2, first_weight=0)
 
 
+@pytest.mark.parametrize("lengths", [None, [300, 212]])
+def test_split_takes_the_unsplit_calls_kernel_path(monkeypatch, lengths):
+    """The op picks W/U-in-memory or the T path by N * HV (tiles.store_wu) and the two round bf16
+    differently (2.66e-3 apart at (1,32768,2,8) on the H200). The split runs each sequence as a
+    batch of pieces (N = 4 here: N * HV = 32, the T path) but must take the path of the unsplit call
+    (N = 1 or 2, HV = 8: W/U), or its bf16 outputs differ from that call's by the paths' difference."""
+    import generated.gated_delta_rule as gdn
+    from gdngen.runtime.tiles import override, store_wu
+    seen = []
+
+    def spy(spec_name, **kwargs):
+        decided = store_wu(spec_name, **kwargs)
+        seen.append((kwargs["N"], decided))
+        return decided
+    monkeypatch.setattr(gdn, "store_wu", spy)
+    x = make_inputs(gdn.SPEC, B=1, T=512, H=2, HV=8, K=16, V=16, seed=2, lengths=lengths)
+    o, final = split_sequence_forward(gdn.chunk_gated_delta_rule, **x, output_final_state=True, chunk_size=64,
+                                      segments=4 if lengths is None else 2)
+    unsplit_N = 1 if lengths is None else 2
+    assert seen and all(decided == store_wu("gated_delta_rule", N=unsplit_N, HV=8) for _, decided in seen), seen
+    assert [N for N, _ in seen] == [4] and store_wu("gated_delta_rule", N=4, HV=8) is False
+    with override("gated_delta_rule", "store_wu", value=False):      # an explicit choice stands
+        seen.clear()
+        split_sequence_forward(gdn.chunk_gated_delta_rule, **x, segments=4, chunk_size=64)
+        assert [d for _, d in seen] == [False]
+    o_ref, final_ref = gdn.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=64)
+    assert rel_rmse(o, o_ref) <= TOL and rel_rmse(final, final_ref) <= TOL
+
+
+def test_decide_as_for_pins_the_batch_size_only():
+    from gdngen.runtime.tiles import decide_as_for, override, store_wu
+    with decide_as_for("gated_delta_rule", N=1):
+        assert store_wu("gated_delta_rule", N=64, HV=8) is True            # as for N = 1: N * HV = 8
+        assert store_wu("delta_rule", N=64, HV=8) is False                 # other specs: their own N
+    with decide_as_for("kda", N=1):
+        assert store_wu("kda", N=64, HV=8, per_channel=True) is False      # per-channel decay: always T
+    with override("gated_delta_rule", "store_wu", value=False), decide_as_for("gated_delta_rule", N=1):
+        assert store_wu("gated_delta_rule", N=1, HV=8) is False            # an explicit choice stands
+    assert store_wu("gated_delta_rule", N=64, HV=8) is False               # nothing left behind
+
+
 def test_split_arguments():
-    assert choose_segments(8, 1 << 20, "cpu") == 1            # CPU: never split
     x, _ = _case_inputs(("simple_gla", dict(B=1, T=32, lengths=None), {}, "auto"))
     fn = _chunk_fn("simple_gla")
+    assert choose_segments(fn, **x) == 1                      # untuned (CPU: no cache): no split
     with pytest.raises(ValueError, match="segments"):
         split_sequence_forward(fn, **x, segments=0)
     with pytest.raises(ValueError, match="transfer"):

@@ -409,7 +409,7 @@ def tune_split(spec, shapes: Iterable, *, module=None, timer: Optional[Callable]
     Each count's outputs (o and the final state, fresh allocations NaN-poisoned) are compared with
     the unsplit call's before it is timed; a count must beat no split by ``min_gain`` to win. The
     winner goes to the cache under ``<spec>/split/<shape class>`` (``cache.segments_hint``), which
-    ``split_sequence_forward(segments="auto")`` reads before its SM-count heuristic. Returns one row
+    ``split_sequence_forward(segments="auto")`` runs (untuned: no split). Returns one row
     per (shape, count): ``shape``, ``segments``, ``ms`` or ``rejected``, ``winner`` (bool).
     """
     from gdngen.parallel import split_sequence_forward

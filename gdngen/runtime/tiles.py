@@ -72,11 +72,20 @@ def store_wu(spec_name: str, *, N: int, HV: int, per_channel: bool = False) -> b
     (H200, K=V=128: (1,32768,2,8) 0.82 ms with W/U vs 0.99 ms with T; with N*HV >= 32, T wins:
     (4,8192,16,32) 1.39 vs 1.69 ms - benchmarks/NOTES.md, run 6). ``per_channel`` (decay per key
     channel): always T, for precision (below). ``override(spec, "store_wu", value=...)`` forces
-    either path.
+    either path; :func:`decide_as_for` (``override(spec, "store_wu", N=...)``) decides as for a call
+    over another number of sequences.
+
+    The two paths round differently (W and U to the input dtype one by one, or V - K~ S in float32
+    before one rounding): with bf16 inputs their outputs differ by about bf16's own error against
+    float64 (gated_delta_rule (1,32768,2,8) K=V=128 on the H200: 2.66e-3, each path ~3.4e-3 from
+    float64). So the same sequence gives different bf16 outputs in a batch of 1 and of 4; callers
+    that must match another call's numerics (the sequence split) pin the decision to that call's N.
     """
     forced = _OVERRIDES.get((spec_name, "store_wu"))
-    if forced is not None:
+    if forced is not None and "value" in forced:
         return bool(forced["value"])
+    if forced is not None and "N" in forced:
+        N = int(forced["N"])
     if per_channel:
         # decay per key channel: W and U rounded to the input dtype one by one lose what the T path
         # keeps (V - K~ S subtracted in float32 before one rounding): kda bf16, K=20, V=100, B=1,
@@ -122,6 +131,20 @@ def override(spec_name: str, stage: str, **config):
             _OVERRIDES.pop(key, None)
         else:
             _OVERRIDES[key] = previous
+
+
+@contextmanager
+def decide_as_for(spec_name: str, *, N: int):
+    """Inside the block, ``spec_name``'s N-dependent path choices (:func:`store_wu`) are made as for
+    a call over ``N`` sequences, whatever the batch of the calls made (an explicit
+    ``override(spec, "store_wu", value=...)`` stands). The sequence split runs one sequence as a
+    batch of pieces; pinned to the unsplit call's N it takes the unsplit call's path, so its bf16
+    outputs match that call's to rounding at the piece boundaries, not to the paths' difference."""
+    if (spec_name, "store_wu") in _OVERRIDES:
+        yield
+        return
+    with override(spec_name, "store_wu", N=N):
+        yield
 
 
 @contextmanager
