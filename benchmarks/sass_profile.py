@@ -1,4 +1,4 @@
-"""Offline SASS profile of a spec's backward kernels for sm_90 (no GPU): counts and a time model.
+"""Offline SASS profile of a spec's kernels for sm_90 (no GPU; backward launches, forward too with --phases): counts and a time model.
 
 Every backward launch of ``chunk_<spec>`` at one shape is recorded (``gdngen.compilecheck``:
 exactly the kernels, tiles and constexprs the runtime picks), compiled for sm_90 and disassembled
@@ -166,6 +166,11 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
             out.append(math.ceil(K / args["BK"]))
         elif "_chunk_bwd_kernel_bt" in name:                 # diagonal columns 16, block rows BT/16 - 1
             out.append(BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
+        elif "_wy_decay" in name:                            # K tiles (they store), column blocks BT/16 - 1
+            out.append(math.ceil(K / args["BK"]) if has(a, b, "STG") else        # (dots), columns 16
+                       BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
+        elif "_wy_" in name:                                 # per-channel forward: K tiles (with dots),
+            out.append(math.ceil(K / args["BK"]) if has(a, b, "HGMMA", "HMMA") else 9)   # 9 column steps
         else:
             out.append(1)
     return out
@@ -182,6 +187,8 @@ def grid(name, args, *, B, HV, K, V, NT):
         return (math.ceil(K / args["BK"]), NT, B * HV)
     if "_gates" in name:
         return (NT, B, math.ceil(args["HV"] / args["BH"]))
+    if "_wy_" in name:
+        return (NT, B * HV)
     return None
 
 
@@ -190,7 +197,7 @@ def occupancy(regs, warps, shared):
     return max(0, min(65536 // (per_warp * warps), 233472 // (shared + 1024), 64 // warps, 32))
 
 
-def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat):
+def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd",)):
     import triton
     from triton.compiler import ASTSource
     from gdngen import compilecheck as cc
@@ -208,7 +215,7 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat):
             seen = set()
             for phase, launch in cc.capture(spec, module, cc.Shape(K, V, BT, dtype, B, H, HV)):
                 key = cc._key(launch)
-                if phase != "bwd" or key in seen:
+                if phase not in phases or key in seen:
                     continue
                 seen.add(key)
                 name = launch.fn.__name__
@@ -234,7 +241,7 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat):
                 programs, occ = math.prod(g), occupancy(regs, w, compiled.metadata.shared)
                 waves = math.ceil(programs / (SMS * occ))
                 rows.append(dict(
-                    spec=spec.name, kernel=name, config=cc._launch_config(launch), grid=g, programs=programs,
+                    spec=spec.name, phase=phase, kernel=name, config=cc._launch_config(launch), grid=g, programs=programs,
                     regs=regs, spill=spill, shared=shared, warps=w, ctas_per_sm=occ, waves=waves,
                     loops=[(a, b, t) for (a, b), t in zip(lp, tr)], per_warp=dict(per_warp),
                     critical_path_cycles=round(path),
@@ -252,17 +259,19 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--override", default="{}", help='backward tiles per stage, e.g. {"chunk": {"BV": 128}}')
     parser.add_argument("--latency", default="{}", help='model latencies, e.g. {"ldg": 600, "bar": 40}')
+    parser.add_argument("--phases", default="bwd", help="compilecheck phases to profile, e.g. fwd,bwd")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     B, T, H, HV, K, V = map(int, args.shape.split(","))
     rows = profile(args.specs.split(","), B=B, T=T, H=H, HV=HV, K=K, V=V, BT=args.chunk, dtype=args.dtype,
-                   overrides=json.loads(args.override), lat={**LAT, **json.loads(args.latency)})
-    print("| spec | kernel | tiles | grid | regs | spill | CTA/SM | instr | EX2 | MMA | LDG | STG | LDS | STS | BAR "
+                   overrides=json.loads(args.override), lat={**LAT, **json.loads(args.latency)},
+                   phases=tuple(args.phases.split(",")))
+    print("| spec | phase | kernel | tiles | grid | regs | spill | CTA/SM | instr | EX2 | MMA | LDG | STG | LDS | STS | BAR "
           "| SHFL | issue ms | model ms |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         p = r["per_warp"]
-        print(f"| {r['spec']} | {r['kernel']} | {r['config']} | {'x'.join(map(str, r['grid']))} | {r['regs']} "
+        print(f"| {r['spec']} | {r['phase']} | {r['kernel']} | {r['config']} | {'x'.join(map(str, r['grid']))} | {r['regs']} "
               f"| {r['spill']} | {r['ctas_per_sm']} | {p.get('total', 0)} | {p.get('ex2', 0)} | {p.get('mma', 0)} "
               f"| {p.get('ldg', 0)} | {p.get('stg', 0)} | {p.get('lds', 0)} | {p.get('sts', 0)} | {p.get('bar', 0)} "
               f"| {p.get('shfl', 0)} | {r['issue_ms']:.3f} | {r['model_ms']:.3f} |")

@@ -41,7 +41,7 @@ num_stages stays the default's. Estimates, per program (``+ 256 BK`` with per-ch
   state_bwd     dh [BK, BV], dv and dO [BT, BV]     [BT, BK] + [BT, BV];    dh, a [BT, BK] operand
   chunk_bwd     dq dk dw [BT, BK], dS, <h, dh>      h, dh [BK, BV], 3 [BT, BV]; dS, q, k
   wy_bwd        T, dRR, KK [BT, BT], dR [BT, BK]    2 [BT, BK] + 2 [BT, BV]; T, dRR
-  wy_decay_bwd  dA blocks, 5 [BT, BK] (+256 BK)     2 [BT, BK];             dA
+  wy_decay_bwd  dA slice [BT, BT], 7 [BT, BK]        2 [BT, BK];             dA
 Deliberately rough: the tuner checks and times what survives, and rejects what fails to compile.
 """
 from __future__ import annotations
@@ -171,6 +171,11 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
     if stage == "wy":
         nb = BT // 16
         live = nb * (nb + 1) * 256 + BT * BK
+        if per_channel:
+            # whole-chunk products (stages/_channel_wy.j2): [BT, BT] P, [BT, BK] D, and six
+            # [BT, BK] k / g tiles (own, partner, gathered column); ptxas: 128 registers at
+            # BT=64, BK=32, 8 warps; 255 at BK=64, 4 warps
+            return math.ceil((BT * BT + 7 * BT * BK) / (32 * config["num_warps"])) + REG_OVERHEAD
     elif stage == "state":
         live = BK * BV + BT * BV
     elif stage == "output":
@@ -188,7 +193,9 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
     elif stage == "wy_bwd":
         live = 3 * BT * BT + BT * BK
     elif stage == "wy_decay_bwd":
-        live = BT * BT // 2 + 5 * BT * BK + blocks
+        # whole-chunk tiles since 2026-11-30 (no [16, 16, BK] block product): Y, X, k, g and the
+        # gathered k, g, exponent [BT, BK] tiles, one [BT, BT] dA slice for the products
+        live = BT * BT + 7 * BT * BK
     else:
         raise ValueError(f"stage: unknown stage {stage!r}")
     return math.ceil(live / (32 * config["num_warps"])) + REG_OVERHEAD

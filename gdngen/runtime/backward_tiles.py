@@ -42,11 +42,14 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
 
     The reverse state pass keeps the whole K extent of its [K, BV] gradient slice in registers,
     like the forward state pass, and narrows BV only while that leaves too few programs.
-    ``per_channel`` (vector decay): the wy_decay kernel (and the chunk kernel until 2026-11-30)
-    unroll 16-row sub-blocks and keep every [16, 16] block pair live; with 4 warps ptxas spilled
+    ``per_channel`` (vector decay): the wy_decay kernel (and the chunk kernel) unrolled 16-row
+    sub-blocks and kept every [16, 16] block pair live until 2026-11-30; with 4 warps ptxas spilled
     42-44 KB per thread of them (kda, K=V=128, bf16, chunk 64: ``gdngen check --compile-sm90``),
-    with 8 warps 0.9 and 7.5 KB. The chunk kernel now holds whole-chunk [BT, BK] / [BT, BT]
-    float32 tiles: 255 registers, no spill at 8 warps (gla and kda, same shape); 1.5 KB at 4.
+    with 8 warps 0.9 and 7.5 KB. Both now hold whole-chunk [BT, BK] / [BT, BT] float32 tiles: the
+    chunk kernel 255 registers, no spill at 8 warps (gla and kda, same shape), 1.5 KB at 4; the
+    wy_decay kernel (stages/_channel_wy.j2) 255 registers and ~0.5 KB at BK=64 / 8 warps, its
+    modelled time 1.9 ms against 5.8 before (benchmarks/sass_profile.py: BK=32 / 8 warps does not
+    spill but models 2.9 ms, BK=64 / 4 warps 1.9 ms with 2 KB).
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "state":

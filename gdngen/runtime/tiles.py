@@ -39,10 +39,12 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "wy":
         if per_channel:
-            # vector decay: every 16-row block carries its own [16, BK] float32 decay tile; at BK=64
-            # and 2 warps that spills 3.3 KB per thread on sm_90 (K=V=128 bf16), at BK=32 and 4
-            # warps 236 B (offline compile, Triton 3.6; benchmarks/NOTES.md, stop 16)
-            return {"BK": min(32, pk), "num_warps": 4, "num_stages": 2}
+            # vector decay: A is built on whole-chunk [BT, BK] tiles (stages/_channel_wy.j2, a
+            # serial loop of 9 column steps per key tile). sm_90, Triton 3.6, K=V=128 bf16, chunk
+            # 64: BK=32 with 8 warps 128 registers, no spill, 2 programs per SM, modelled 0.69 ms
+            # at (4,8192,16,16); BK=64/4 warps 255 registers, 1.39 ms; BK=32/4 warps 0.96 ms
+            # (benchmarks/sass_profile.py; results/2026-11-30-offline-kda-wy-sass.md)
+            return {"BK": min(32, pk), "num_warps": 8, "num_stages": 2}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state":
         # the whole K extent of the state stays in registers: narrow V tiles for large K
