@@ -47,9 +47,9 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
     42-44 KB per thread of them (kda, K=V=128, bf16, chunk 64: ``gdngen check --compile-sm90``),
     with 8 warps 0.9 and 7.5 KB. Both now hold whole-chunk [BT, BK] / [BT, BT] float32 tiles: the
     chunk kernel 255 registers, no spill at 8 warps (gla and kda, same shape), 1.5 KB at 4; the
-    wy_decay kernel (stages/_channel_wy.j2) 255 registers and ~0.5 KB at BK=64 / 8 warps, its
-    modelled time 1.9 ms against 5.8 before (benchmarks/sass_profile.py: BK=32 / 8 warps does not
-    spill but models 2.9 ms, BK=64 / 4 warps 1.9 ms with 2 KB).
+    wy_decay kernel (stages/_channel_wy.j2) 255 registers and 40 B at BK=64 / 8 warps, its
+    modelled time 1.35 ms against 5.8 before (benchmarks/sass_profile.py: BK=32 / 8 warps does not
+    spill but models 1.9 ms, BK=64 / 4 warps 1.3 ms with 1.1 KB).
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "state":
