@@ -15,7 +15,9 @@ three lower bounds on an H200 (132 SMs, 1.98 GHz):
   ``--ldg`` cycles, LDS 30, SHFL 25, MUFU 18, BAR.SYNC 20, wgmma by its FLOPs at 4096/clock + 60).
   It ignores contention between warps, bank conflicts and cache misses: a lower bound.
 
-Loop trip counts are not in the SASS; ``trips`` below gives them per kernel (from the sources).
+Loop trip counts are not in the SASS; ``trips`` below gives them per kernel (from the sources),
+and ``grid`` the launch grid at the profiled shape; kernels without a rule there (the forward's
+wy and l2norm launches) are left out.
 
 Run with Triton 3.6 (the H200's), e.g.::
 
@@ -155,17 +157,33 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
         return any(x["op"].startswith(ops) for x in ins[a:b])
     out = []
     for a, b in lp:
-        if "_state_bwd" in name:
-            out.append(NT)                                   # reverse pass over the chunks
-        elif "_intra_bwd_kernel_bt" in name:                 # per-channel: c-loop 16, K tiles, V tiles
-            if has(a, b, "HGMMA", "HMMA") and not has(a, b, "MUFU"):
+        if "_state_bwd" in name or "_state_fwd" in name:
+            out.append(NT)                                   # sequential pass over the chunks
+        elif "_output_fwd_kernel_bt" in name or "_intra_bwd_kernel_bt" in name:
+            # per-channel scores. Since 2026-11-30: first a loop over the log2(BT) levels (a loop over
+            # the K tiles inside it, unrolled at small BK), then K-tile passes (state term, diagonal
+            # row sums) and intra's value tiles (they store). Before: K tiles around a 16-step
+            # column loop (exponents, no dots), then intra's value tiles.
+            top = [(c, d) for c, d in lp if not any(e <= c and d <= f and (e, f) != (c, d) for e, f in lp)]
+            column = [not has(c, d, "HGMMA", "HMMA") and has(c, d, "MUFU") for c, d in lp]
+            if column[lp.index((a, b))]:
+                out.append(16)
+            elif any(column):
+                out.append(math.ceil(V / args["BV"]) if "_intra_bwd" in name and not has(a, b, "MUFU")
+                           else math.ceil(K / args["BK"]))
+            elif (a, b) == min(top):
+                out.append(int(math.log2(BT)))
+            elif "_intra_bwd" in name and has(a, b, "STG"):
                 out.append(math.ceil(V / args["BV"]))
             else:
-                out.append(16 if not has(a, b, "HGMMA", "HMMA") else math.ceil(K / args["BK"]))
+                out.append(math.ceil(K / args["BK"]))
         elif "_intra_bwd" in name:
             out.append(math.ceil(K / args["BK"]))
-        elif "_chunk_bwd_kernel_bt" in name:                 # diagonal columns 16, block rows BT/16 - 1
-            out.append(BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
+        elif "_chunk_bwd_kernel_bt" in name:
+            if any(not has(c, d, "HGMMA", "HMMA") for c, d in lp):   # before 2026-11-30: 16 diagonal
+                out.append(BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)   # columns, block rows
+            else:                                                    # levels (exp inside), V tiles
+                out.append(int(math.log2(BT)) if has(a, b, "MUFU") else math.ceil(V / args["BV"]))
         elif "_wy_decay" in name:                            # K tiles (they store), column blocks BT/16 - 1
             out.append(math.ceil(K / args["BK"]) if has(a, b, "STG") else        # (dots), columns 16
                        BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
@@ -177,6 +195,10 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
 
 
 def grid(name, args, *, B, HV, K, V, NT):
+    if "_output_fwd" in name:
+        return (math.ceil(V / args["BV"]), NT, B * HV)
+    if "_state_fwd" in name:
+        return (math.ceil(V / args["BV"]), B * HV)
     if "_intra_bwd_kernel_bt" in name:
         return (1, NT, B * HV)             # per-channel: every value tile in one program (2026-11-30)
     if "_intra_bwd" in name:
@@ -202,12 +224,17 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
     from triton.compiler import ASTSource
     from gdngen import compilecheck as cc
     from gdngen.runtime import backward_tiles as bt
+    tiles = importlib.import_module("gdngen.runtime.tiles")
     from gdngen.spec import catalogue, load_spec
     NT = T // BT
     rows = []
     with contextlib.ExitStack() as stack:
-        for stage, config in overrides.items():
-            stack.enter_context(bt.override_backward(stage, **config))
+        for stage, config in overrides.items():       # forward stages by name, backward ones as "chunk", ...
+            if stage in ("output", "state", "wy"):
+                for name in specs:
+                    stack.enter_context(tiles.override(name, stage, **config))
+            else:
+                stack.enter_context(bt.override_backward(stage, **config))
         for spec in [load_spec(p) for p in catalogue()]:
             if spec.name not in specs:
                 continue
@@ -239,7 +266,7 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
                 path = weighted(ins, lp, tr, lambda a, b: critical_path(ins, a, b, lat))
                 w, shared = launch.num_warps, compiled.metadata.shared
                 programs, occ = math.prod(g), occupancy(regs, w, compiled.metadata.shared)
-                waves = math.ceil(programs / (SMS * occ))
+                waves = math.ceil(programs / (SMS * occ)) if occ else math.inf     # does not fit
                 rows.append(dict(
                     spec=spec.name, phase=phase, kernel=name, config=cc._launch_config(launch), grid=g, programs=programs,
                     regs=regs, spill=spill, shared=shared, warps=w, ctas_per_sm=occ, waves=waves,
@@ -257,7 +284,7 @@ def main(argv=None):
     parser.add_argument("--shape", default="4,8192,16,16,128,128", help="B,T,H,HV,K,V")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--override", default="{}", help='backward tiles per stage, e.g. {"chunk": {"BV": 128}}')
+    parser.add_argument("--override", default="{}", help='tiles per stage, e.g. {"chunk": {"BV": 128}, "output": {"num_warps": 8}}')
     parser.add_argument("--latency", default="{}", help='model latencies, e.g. {"ldg": 600, "bar": 40}')
     parser.add_argument("--phases", default="bwd", help="compilecheck phases to profile, e.g. fwd,bwd")
     parser.add_argument("--json")

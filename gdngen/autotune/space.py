@@ -179,17 +179,21 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
     elif stage == "state":
         live = BK * BV + BT * BV
     elif stage == "output":
-        live = BT * BV + BT * BT
+        # per channel: a second [BT, BT] (the level sums, then the diagonal) and the level's
+        # q-or-k, g and g_r tiles (ptxas: 115 registers at BT=64, BK=32, BV=128, 8 warps, 2 stages)
+        live = BT * BV + BT * BT + (BT * BT + 3 * BT * BK if per_channel else 0)
     elif stage == "wy_prep_bwd":
         live = BT * BT + BT * BK
     elif stage == "intra_bwd":
-        # per channel: the scores come from whole-chunk q, k, g tiles (no [16, 16, BK] block
-        # product since 31a4e95; ptxas: 223 registers at BT=64, BK=64, BV=128, 4 warps)
-        live = BT * BT + BT * BV + (3 * BT * BK if per_channel else 0)
+        # per channel: the scores level by level from q-or-k, g and g_r tiles plus a level sum
+        # (ptxas: 102 registers at BT=64, BK=64, BV=128, 8 warps, 1 stage; 226 at 4 warps)
+        live = BT * BT + BT * BV + (BT * BT + 3 * BT * BK if per_channel else 0)
     elif stage == "state_bwd":
         live = BK * BV + 2 * BT * BV
     elif stage == "chunk_bwd":
-        live = 3 * BT * BK + BT * BT + BK * BV + blocks
+        # per channel: dq, dk, q, k, g and a level's exponent tile beside dP (levels since
+        # 2026-11-30, no [16, 16, BK] block product)
+        live = (6 if per_channel else 3) * BT * BK + BT * BT + BK * BV
     elif stage == "wy_bwd":
         live = 3 * BT * BT + BT * BK
     elif stage == "wy_decay_bwd":

@@ -63,15 +63,14 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         # BV=16/4 warps, and 8.58 vs 9.30 ms at BV=64 (benchmarks/profile_backward.py, NOTES.md).
         return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": 2}
     if stage == "intra" and per_channel:
-        # the per-channel intra kernel builds its [BT, BT] scores once (~95% of its work) and then
-        # loops over value tiles: one tile up to V = 128. ptxas (Triton 3.6, sm_90, bf16, K=V=128,
-        # chunk 64): 223 registers, no spill at BV=128 and 4 warps; one warp's SASS critical path
-        # per chunk ~46k cycles against ~61k with two BV=64 tiles and ~91k when each tile was a
-        # program recomputing the scores (benchmarks/sass_profile.py; results/2026-11-30-offline-
-        # gla-backward-sass.md). Never below 64 (the [BT, BT] scores come out of a 64-wide
-        # product: the tile rule above); float32 keeps 64 (ptxas spills more at 128).
+        # the per-channel intra kernel builds its [BT, BT] scores once, level by level (most of its
+        # work), and then loops over value tiles: one tile up to V = 128. ptxas (Triton 3.6, sm_90,
+        # bf16, K=V=128, chunk 64): 8 warps and one stage keep it at 102 registers, two programs
+        # per SM, modelled 0.29 ms (two stages: 155 registers, one per SM, 0.40; 0.74 before the
+        # levels: benchmarks/sass_profile.py, results/2026-11-30-offline-gla-output-bwd-sass.md).
+        # Never below 64 (the tile rule above); float32 keeps BV=64.
         bv = 128 if pv >= 128 and dtype.itemsize <= 2 else 64
-        return {"BK": 64, "BV": bv, "num_warps": 4, "num_stages": 2}
+        return {"BK": 64, "BV": bv, "num_warps": 8, "num_stages": 1}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):

@@ -61,6 +61,13 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": stages}
     if stage == "output":
         # BV >= 64: BK=64 with BV=32 gave wrong outputs (K=64, V=32, bf16) under Triton 3.6 on Hopper
+        if per_channel:
+            # vector decay: log2(BT) level passes over K tiles build the scores. BK=32 and 8 warps:
+            # 115 registers, two programs per SM, modelled 0.32 ms at (4,8192,16,16) K=V=128 bf16
+            # chunk 64 against 0.54 at BK=64 (160 registers, one per SM) and 0.79 before the
+            # levels (benchmarks/results/2026-11-30-offline-gla-output-bwd-sass.md). Every product
+            # stays >= 64 wide in N (the Hopper miscompile above had a 32-wide one).
+            return {"BK": min(32, pk), "BV": max(64, min(128, pv)), "num_warps": 8, "num_stages": 2}
         return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
     raise ValueError(f"stage: unknown stage {stage!r}")
 
