@@ -68,9 +68,10 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         # bf16, K=V=128, chunk 64): 8 warps and one stage keep it at 102 registers, two programs
         # per SM, modelled 0.29 ms (two stages: 155 registers, one per SM, 0.40; 0.74 before the
         # levels: benchmarks/sass_profile.py, results/2026-11-30-offline-gla-output-bwd-sass.md).
-        # Never below 64 (the tile rule above); float32 keeps BV=64.
-        bv = 128 if pv >= 128 and dtype.itemsize <= 2 else 64
-        return {"BK": 64, "BV": bv, "num_warps": 8, "num_stages": 1}
+        # Never below 64 (the tile rule above); float32 keeps BV=64 and two stages (one stage
+        # spilled 6-19 KB there, two 8-180 B).
+        half = dtype.itemsize <= 2
+        return {"BK": 64, "BV": 128 if pv >= 128 and half else 64, "num_warps": 8, "num_stages": 1 if half else 2}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):
