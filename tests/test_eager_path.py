@@ -20,7 +20,7 @@ def _inputs(seed=0):
 
 def _run(chunk_op):
     q, k, v, g, beta, h0 = inputs = _inputs()
-    o, ht, _ = chunk_op(q, k, v, g, beta, h0, None, None, None, 0.25, True, 16, False, False, False, False)
+    o, ht, *_ = chunk_op(q, k, v, g, beta, h0, None, None, None, 0.25, True, 16, False, False, False, False)
     gen = torch.Generator().manual_seed(1)
     (o * torch.randn(o.shape, generator=gen)).sum().add((ht * torch.randn(ht.shape, generator=gen)).sum()).backward()
     return [o.detach(), ht.detach()] + [x.grad for x in inputs]

@@ -26,7 +26,7 @@ def test_chunk_op_is_registered(name):
     packet = getattr(torch.ops.gdngen, spec.chunk_function)
     schema = str(packet.default._schema)
     assert schema.startswith(f"gdngen::{spec.chunk_function}(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta")
-    assert schema.endswith("-> (Tensor, Tensor, Tensor)")      # o, final state, kept chunk-start states
+    assert schema.endswith("-> (Tensor, Tensor, Tensor, Tensor)")   # o, final state, kept states and T
     assert hasattr(torch.ops.gdngen, f"{spec.chunk_function}_backward")
 
 
@@ -81,8 +81,8 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
     # replay creates inside the kernel ("Cannot access storage of TensorWrapper"). The fake kernel
     # is exercised by the torch.compile tests below (AOTAutograd traces this op with fake tensors);
     # mutation and aliasing are checked directly.
-    states = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
-    args = (*args[:9], states, *args[9:])
+    states = tmat = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
+    args = (*args[:9], states, tmat, *args[9:])
     before = [x.clone() if isinstance(x, torch.Tensor) else x for x in (do, dht, *args)]
     grads = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *args)
     for x, y in zip((do, dht, *args), before):
@@ -96,26 +96,64 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_backward_from_kept_states_equals_recompute(varlen, device):
-    """The forward op's third output (its chunk-start states, kept for the backward) gives the same
-    gradients as a backward that recomputes them with its own state pass; varlen keeps them at the
-    shape-only bound chunk_state_rows, past the packed chunk count."""
+    """The forward op's third and fourth outputs (its chunk-start states and the chunks' T, kept for
+    the backward) give the same gradients as a backward that recomputes them (its own state pass
+    and wy stage); varlen keeps the states at the shape-only bound chunk_state_rows, past the packed
+    chunk count. T is kept on the T path (many value heads here: store_wu is off)."""
     from gdngen.runtime import chunk_state_rows
+    from gdngen.runtime.tiles import override
     _module("gated_delta_rule")
     kwargs = dict(T=40, cu_seqlens=torch.tensor([0, 7, 7, 40], dtype=torch.int32)) if varlen else dict(B=2, T=37)
     args = _op_args("gated_delta_rule", device, grad=False, **kwargs)
     inputs, options = args[:9], args[9:]
-    o, ht, states = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+    with override("gated_delta_rule", "store_wu", value=False):
+        o, ht, states, tmat = torch.ops.gdngen.chunk_gated_delta_rule(*args)
     B, T = args[0].shape[:2]
     N = B if not varlen else 3
     assert states.shape == (chunk_state_rows(B, T, 16, N if varlen else None), 2, 16, 16)
+    assert tmat.shape == (B, T, 2, 16) and tmat.dtype == args[1].dtype
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     needs = [True, True, True, True, True, True, False, False, False]
-    kept = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *inputs, states, *options)
-    recomputed = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *inputs, states[:0], *options)
-    for a, b, need in zip(kept, recomputed, needs):
-        assert a.shape == b.shape and (a.numel() > 0) == need and torch.isfinite(a).all()
-        if need:
-            assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max()), (a - b).abs().max()
+    backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
+    kept = backward(do, dht, needs, *inputs, states, tmat, *options)
+    states_only = backward(do, dht, needs, *inputs, states, tmat[:0], *options)
+    recomputed = backward(do, dht, needs, *inputs, states[:0], tmat[:0], *options)
+    for other in (states_only, recomputed):
+        for a, b, need in zip(kept, other, needs):
+            assert a.shape == b.shape and (a.numel() > 0) == need and torch.isfinite(a).all()
+            if need:
+                assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max()), (a - b).abs().max()
+
+
+def test_kept_tmat_is_used_not_recomputed(device):
+    """With the forward's T passed, the backward launches no wy kernel, and a T that differs from
+    the forward's changes the gradients (so it is really read)."""
+    from gdngen.runtime.tiles import override
+    module = _module("gated_delta_rule")
+    args = _op_args("gated_delta_rule", device, grad=False, B=1, T=37)
+    inputs, options = args[:9], args[9:]
+    with override("gated_delta_rule", "store_wu", value=False):
+        o, ht, states, tmat = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    needs = [True] * 6 + [False] * 3
+    backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
+    launched = []
+    wy = module._WY_KERNELS[16]
+    original = wy.run
+
+    def record(*a, **kw):
+        launched.append(1)
+        return original(*a, **kw)
+    wy.run = record
+    try:
+        base = backward(do, dht, needs, *inputs, states, tmat, *options)
+        assert not launched
+        backward(do, dht, needs, *inputs, states, tmat[:0], *options)
+        assert launched
+    finally:
+        wy.run = original
+    changed = backward(do, dht, needs, *inputs, states, tmat * 1.01, *options)
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
 
 
 def test_backward_materialises_no_state_sized_zeros():
