@@ -66,8 +66,11 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # 115 registers, two programs per SM, modelled 0.32 ms at (4,8192,16,16) K=V=128 bf16
             # chunk 64 against 0.54 at BK=64 (160 registers, one per SM) and 0.79 before the
             # levels (benchmarks/results/2026-11-30-offline-gla-output-bwd-sass.md). Every product
-            # stays >= 64 wide in N (the Hopper miscompile above had a 32-wide one).
-            return {"BK": min(32, pk), "BV": max(64, min(128, pv)), "num_warps": 8, "num_stages": 2}
+            # stays >= 64 wide in N (the Hopper miscompile above had a 32-wide one). One pipeline
+            # stage for 16-bit inputs: measured on the H200 (stop 18 sweep, whole forward at
+            # (4,8192,16,16) bf16) gla 1.57 ms vs 2.02 with two, kda 3.47 vs 3.92; float32 unmeasured.
+            stages = 1 if dtype in (torch.bfloat16, torch.float16) else 2
+            return {"BK": min(32, pk), "BV": max(64, min(128, pv)), "num_warps": 8, "num_stages": stages}
         return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
     raise ValueError(f"stage: unknown stage {stage!r}")
 
