@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gdngen import parallel
+from gdngen.parallel import intra_card
 from gdngen.autotune import cache
 from gdngen.autotune.device import DeviceInfo, use_device
 from gdngen.autotune.tuner import ShapeCase, format_split_rows, tune_split
@@ -66,8 +67,8 @@ def test_no_split_kept_within_timing_noise(gdn, isolated_cache):
 def test_auto_split_reads_the_tuned_count(gdn, isolated_cache, monkeypatch):
     tune_split(gdn.SPEC, [CASE], chunk_size=16, segment_counts=(1, 4), device=H200, timer=_timer({1: 2.0, 4: 1.0}))
     seen = []
-    real = parallel._split_pieces
-    monkeypatch.setattr(parallel, "_split_pieces", lambda offsets, segment, has_init: seen.append(segment) or
+    real = intra_card._split_pieces
+    monkeypatch.setattr(intra_card, "_split_pieces", lambda offsets, segment, has_init: seen.append(segment) or
                         real(offsets, segment, has_init))
     inputs = make_inputs(gdn.SPEC, B=1, T=256, H=1, HV=2, K=16, V=16, seed=3)
     with use_device(H200):
@@ -83,7 +84,7 @@ def test_auto_split_untuned_is_no_split(gdn, isolated_cache, monkeypatch):
     """No tuned entry: 'auto' runs the plain op, even where B * HV leaves most of the H200's SMs idle.
     The SM-count heuristic it replaced picked 4-8 segments at (1,131072,16,32) and (1,32768,2,8), and
     each ran ~2x slower than no split on the H200 (benchmarks/results/2026-11-30-h200-stop18-split.txt)."""
-    monkeypatch.setattr(parallel, "_split_pieces", lambda *a: pytest.fail("split without a measured winner"))
+    monkeypatch.setattr(intra_card, "_split_pieces", lambda *a: pytest.fail("split without a measured winner"))
     inputs = make_inputs(gdn.SPEC, B=1, T=256, H=1, HV=2, K=16, V=16, seed=3)
     with use_device(H200):
         assert parallel.choose_segments(gdn.chunk_gated_delta_rule, **inputs, chunk_size=16) == 1
@@ -97,7 +98,7 @@ def test_auto_split_keeps_a_tuned_no_split(gdn, isolated_cache, monkeypatch):
     """A measured 'no split' (every count slower) is cached as 1 and 'auto' follows it."""
     tune_split(gdn.SPEC, [CASE], chunk_size=16, segment_counts=(1, 2, 4), device=H200,
                timer=_timer({1: 1.0, 2: 2.0, 4: 2.1}))
-    monkeypatch.setattr(parallel, "_split_pieces", lambda *a: pytest.fail("split against the measured winner"))
+    monkeypatch.setattr(intra_card, "_split_pieces", lambda *a: pytest.fail("split against the measured winner"))
     inputs = make_inputs(gdn.SPEC, B=1, T=256, H=1, HV=2, K=16, V=16, seed=3)
     with use_device(H200):
         assert cache.segments_hint("gated_delta_rule", K=16, V=16, BT=16, N=1, HV=2, dtype=torch.float32,

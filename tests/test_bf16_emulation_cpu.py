@@ -148,7 +148,7 @@ def test_split_bf16_matches_the_unsplit_call(bf16_interpreter):
     (tiles.store_wu), 4 pieces (N * HV = 32) took the T path, and the two paths round bf16
     differently (each ~3.4e-3 from float64). The same structure here: B=1, H=2, HV=8, 4 segments of
     4 chunks: o 3.06e-3 and final state 2.56e-3 from the plain call on the T path; pinned to the
-    unsplit call's path (parallel._Call.same_paths_as) o 1.00e-3 (boundary tokens only), final
+    unsplit call's path (gdngen.parallel.local._Call.same_paths_as) o 1.00e-3 (boundary tokens only), final
     state bit-equal (the gates decay the carried state below float32's resolution within a piece).
     """
     import torch.nn.functional as F
