@@ -64,14 +64,13 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": 2}
     if stage == "intra" and per_channel:
         # the per-channel intra kernel builds its [BT, BT] scores once, level by level (most of its
-        # work), and then loops over value tiles: one tile up to V = 128. ptxas (Triton 3.6, sm_90,
-        # bf16, K=V=128, chunk 64): 8 warps and one stage keep it at 102 registers, two programs
-        # per SM, modelled 0.29 ms (two stages: 155 registers, one per SM, 0.40; 0.74 before the
-        # levels: benchmarks/sass_profile.py, results/2026-11-30-offline-gla-output-bwd-sass.md).
-        # Never below 64 (the tile rule above); float32 keeps BV=64 and two stages (one stage
-        # spilled 6-19 KB there, two 8-180 B).
+        # work), and then loops over value tiles: one tile up to V = 128. Since the scores' key
+        # tiles went outer (stages/_channel_chunk_scores.j2), ptxas (Triton 3.6, sm_90, K=V=128,
+        # chunk 64): bf16 BK=32 / BV=128 / 8 warps / one stage 122 registers, two programs per SM
+        # (BK=64: 179, one); float32 BK=32 / BV=64 / two stages no spill (BV=128: 6 KB spilled).
+        # Never below 64 in BV (the tile rule above).
         half = dtype.itemsize <= 2
-        return {"BK": 64, "BV": 128 if pv >= 128 and half else 64, "num_warps": 8, "num_stages": 1 if half else 2}
+        return {"BK": 32, "BV": 128 if pv >= 128 and half else 64, "num_warps": 8, "num_stages": 1 if half else 2}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
     if stage in ("wy_prep", "wy_decay"):

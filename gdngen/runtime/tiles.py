@@ -69,8 +69,13 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # stays >= 64 wide in N (the Hopper miscompile above had a 32-wide one). One pipeline
             # stage for 16-bit inputs: measured on the H200 (stop 18 sweep, whole forward at
             # (4,8192,16,16) bf16) gla 1.57 ms vs 2.02 with two, kda 3.47 vs 3.92; float32 unmeasured.
-            stages = 1 if dtype in (torch.bfloat16, torch.float16) else 2
-            return {"BK": min(32, pk), "BV": max(64, min(128, pv)), "num_warps": 8, "num_stages": stages}
+            # Four warps since the key tiles went outer (one load of q, k, g per key tile): the
+            # stage alone 900 us vs 1431 with eight at (4,8192,16,16), 1792 vs 2829 at
+            # (1,32768,32,32) (H200, benchmarks/exp_channel_output.py; BK=32, BV=128, one stage).
+            # float32 (ptxas only): BV=64 / eight warps / two stages spills 1.2 KB, BV=128 13-30 KB.
+            if dtype in (torch.bfloat16, torch.float16):
+                return {"BK": min(32, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 1}
+            return {"BK": min(32, pk), "BV": 64, "num_warps": 8, "num_stages": 2}
         return {"BK": min(64, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 3}
     raise ValueError(f"stage: unknown stage {stage!r}")
 
