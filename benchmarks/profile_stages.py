@@ -32,7 +32,7 @@ DEVICE = "cuda"
 SWEEP = {
     "wy": [dict(num_warps=w, num_stages=s) for w, s in itertools.product([2, 4, 8], [1, 2])],
     "state": [dict(BV=bv, num_warps=w, num_stages=s)
-              for bv, w, s in itertools.product([16, 32, 64], [4, 8], [1, 2, 3])],
+              for bv, w, s in itertools.product([16, 32, 64], [4, 8], [2, 3])],   # 1 stage: illegal address (GDN)
     "output": [dict(BK=bk, BV=bv, num_warps=w, num_stages=s)
                for bk, bv, w, s in itertools.product([64, 128], [64, 128], [4, 8], [2, 3])],
 }
@@ -82,8 +82,10 @@ def breakdown(spec, case, fn, mode):
          "do_bench_us": 1e3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")})
 
 
-def sweep(spec, case, fn):
+def sweep(spec, case, fn, stages=None):
     for stage, variants in SWEEP.items():
+        if stages and stage not in stages:
+            continue
         for cfg in variants:
             try:
                 with override(spec.name, stage, **cfg):
@@ -102,6 +104,7 @@ def main():
     parser.add_argument("--cases", default="0,1,2,3", help=f"comma-separated indices into {CASES}")
     parser.add_argument("--backward", action="store_true", help="also break down a forward+backward step")
     parser.add_argument("--sweep", action="store_true", help="sweep the forward stages' launch parameters")
+    parser.add_argument("--stages", default="", help=f"comma-separated subset of {list(SWEEP)} to sweep (default all)")
     a = parser.parse_args()
     spec = load_spec(f"specs/{a.spec}.yaml")
     module = importlib.import_module(f"generated.{spec.name}")
@@ -111,7 +114,7 @@ def main():
             fwd = step_fn(spec, module, case, backward=False)
             breakdown(spec, case, fwd, "fwd")
             if a.sweep:
-                sweep(spec, case, fwd)
+                sweep(spec, case, fwd, [x for x in a.stages.split(",") if x])
         if a.backward:
             breakdown(spec, case, step_fn(spec, module, case, backward=True), "fwd+bwd")
         torch.cuda.empty_cache()
