@@ -65,7 +65,8 @@ def test_backward_candidates_respect_hard_rules_and_limits(device, K, V, BT, dty
             if stage == "state_bwd":
                 assert c["BK"] >= K and c["num_stages"] >= 2
             if stage in ("intra_bwd", "chunk_bwd", "wy_bwd"):
-                assert c["BK"] >= 64 and c["BV"] >= 64            # the Hopper miscompile rule
+                # the Hopper miscompile rule (intra's key tile is only a contraction width)
+                assert c["BK"] >= (space.INTRA_MIN_BK if stage == "intra_bwd" else 64) and c["BV"] >= 64
             if stage not in ("state_bwd", "intra_bwd"):
                 assert c["num_stages"] == default["num_stages"]   # static_range loops only
         for c in found[1:]:
@@ -99,6 +100,8 @@ def test_backward_space_is_pruned_by_the_estimates():
     ("chunk_bwd", {"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2}, "below 64"),
     ("wy_bwd", {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 2}, "below 64"),
     ("intra_bwd", {"BK": 64, "BV": 48, "num_warps": 4, "num_stages": 2}, "power of two"),
+    ("intra_bwd", {"BK": 16, "BV": 64, "num_warps": 4, "num_stages": 2}, "below 32"),
+    ("intra_bwd", {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 2}, "below 64"),
     ("wy_prep_bwd", {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}, "keys"),
     ("chunk_bwd", {"BK": 64, "num_warps": 4, "num_stages": 2}, "keys"),
 ])

@@ -70,6 +70,9 @@ MIN_TILE = 16
 # Hopper gave wrong dk / dg with a 32-wide tile beside the 64-wide dS and dA products)
 BACKWARD_WIDE_STAGES = ("intra_bwd", "chunk_bwd", "wy_bwd")
 BACKWARD_MIN_WIDE_TILE = 64
+# ... except intra's key tile, which is only ever a contraction width (its products are [BT, BT] and
+# [BT, BV]): 32 there (the per-channel default, verified on the H200 at chunk 16/32/64, K=20..256)
+INTRA_MIN_BK = 32
 _NO_V_TILE = ("wy", "wy_prep_bwd", "wy_decay_bwd")
 # backward kernels with a runtime loop (the others only use tl.static_range: num_stages is moot)
 _BACKWARD_PIPELINED = ("state_bwd", "intra_bwd")
@@ -247,11 +250,13 @@ def backward_problem(stage: str, config, *, K: int, V: int) -> Optional[str]:
         return f"keys {sorted(config) if isinstance(config, dict) else config!r}, expected {list(config_keys(stage))}"
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in config.values()):
         return "every value must be an integer"
-    floor = BACKWARD_MIN_WIDE_TILE if stage in BACKWARD_WIDE_STAGES else MIN_TILE
     for key, dim in (("BK", K), ("BV", V)):
         tile = config.get(key)
         if tile is None:
             continue
+        floor = BACKWARD_MIN_WIDE_TILE if stage in BACKWARD_WIDE_STAGES else MIN_TILE
+        if stage == "intra_bwd" and key == "BK":
+            floor = INTRA_MIN_BK
         if tile < MIN_TILE or tile & (tile - 1):
             return f"{key}={tile}: a power of two >= {MIN_TILE} is needed"
         if tile < floor:
@@ -326,7 +331,8 @@ def _axes(stage: str, K: int, V: int, default: dict) -> tuple:
     if stage in ("state", "state_bwd"):
         bks = [max(MIN_TILE, _pow2(K))]                 # the state keeps the whole K extent
     elif stage in BACKWARD_WIDE_STAGES:
-        bks = [t for t in _tiles_up_to(K) if t >= BACKWARD_MIN_WIDE_TILE] or [BACKWARD_MIN_WIDE_TILE]
+        floor = INTRA_MIN_BK if stage == "intra_bwd" else BACKWARD_MIN_WIDE_TILE
+        bks = [t for t in _tiles_up_to(K) if t >= floor] or [floor]
     else:
         bks = _tiles_up_to(K)
     if not has_v_tile(stage):
