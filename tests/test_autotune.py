@@ -71,6 +71,19 @@ def test_known_bad_configs_are_excluded():
     assert all(c["num_warps"] != 8 for c in state)
 
 
+def test_state_pass_never_runs_one_pipeline_stage():
+    """One stage gave illegal memory accesses on the H200 (forward and backward state passes): neither
+    the defaults nor the tuner's candidates use it, at any head dim or dtype."""
+    for dtype in (BF16, torch.float16, torch.float32):
+        for K in (16, 64, 128, 256):
+            for per_channel in (False, True):
+                default = default_tiles("state", K=K, V=128, BT=64, N=1, HV=4, dtype=dtype, per_channel=per_channel)
+                assert default["num_stages"] >= 2, (dtype, K, per_channel, default)
+            found = space.candidates("state", K=K, V=128, BT=64, dtype=dtype, device=H200,
+                                     default=default_tiles("state", K=K, V=128, BT=64, N=1, HV=4, dtype=dtype))
+            assert all(c["num_stages"] >= 2 for c in found), (dtype, K)
+
+
 @pytest.mark.parametrize("device", [H200, DeviceInfo("Some Future GPU", (13, 7), sm_count=40)])
 @pytest.mark.parametrize("K,V,BT,dtype", [(128, 128, 64, BF16), (256, 256, 64, torch.float32), (64, 32, 16, BF16)])
 def test_surviving_candidates_respect_the_limits(device, K, V, BT, dtype):

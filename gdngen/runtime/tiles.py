@@ -54,10 +54,11 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         # Each pipeline stage streams whole key rows (plus, with per-channel decay, a float32
         # [BT, K] decay tile): past 256 bytes per key row three stages overflow Hopper's 227 KiB
         # (gla bf16 K=256: 232 KiB on the H200; kda fp32 K=128: 237 KiB compiled for sm_90 with
-        # Triton 3.6). Two stages fit up to 512 bytes per row (kda: 137 KiB fp32 K=128, 107 KiB
-        # bf16 K=256), one beyond (kda fp32 K=256: 69 KiB).
+        # Triton 3.6). Two stages otherwise, never one: a one-stage state pass hit an illegal
+        # memory access on the H200 (GDN bf16 K=128, stop 19 sweep; the backward's since stop 15).
+        # At float32 K=256 (BV=16) two stages compile to 149 / 217 / 197 KiB for GDN / kda / gla.
         row_bytes = pk * torch.empty((), dtype=dtype).element_size()
-        stages = 3 if row_bytes <= 256 else 2 if row_bytes <= 512 else 1
+        stages = 3 if row_bytes <= 256 else 2
         return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": stages}
     if stage == "output":
         # BV >= 64: BK=64 with BV=32 gave wrong outputs (K=64, V=32, bf16) under Triton 3.6 on Hopper
