@@ -187,8 +187,10 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
         elif "_wy_decay" in name:                            # K tiles (they store), column blocks BT/16 - 1
             out.append(math.ceil(K / args["BK"]) if has(a, b, "STG") else        # (dots), columns 16
                        BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
-        elif "_wy_" in name:                                 # per-channel forward: K tiles (with dots),
-            out.append(math.ceil(K / args["BK"]) if has(a, b, "HGMMA", "HMMA") else 9)   # 9 column steps
+        elif "_wy_" in name:                                 # per-channel forward: K tiles around
+            nested = any(c <= a and b <= d and (c, d) != (a, b) for c, d in lp)   # the log2(BT) levels
+            out.append(math.ceil(K / args["BK"]) if not nested else              # (dots, since kda-wy-levels)
+                       int(math.log2(BT)) if has(a, b, "HGMMA", "HMMA") else 9)   # or 9 column steps
         else:
             out.append(1)
     return out

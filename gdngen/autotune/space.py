@@ -178,10 +178,11 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
         nb = BT // 16
         live = nb * (nb + 1) * 256 + BT * BK
         if per_channel:
-            # whole-chunk products (stages/_channel_wy.j2): [BT, BT] P, [BT, BK] D, and six
-            # [BT, BK] k / g tiles (own, partner, gathered column); ptxas: 128 registers at
-            # BT=64, BK=32, 8 warps; 255 at BK=64, 4 warps
-            return math.ceil((BT * BT + 7 * BT * BK) / (32 * config["num_warps"])) + REG_OVERHEAD
+            # level products (stages/_channel_chunk_scores.j2): [BT, BT] A and a level's dot, and
+            # the k, g, g_r and decayed [BT, BK] tiles; ptxas at BT=64: 127 registers at BK=32 /
+            # 8 warps, 216 at 4 warps, 248 at BK=64 / 4 warps, 223 at BK=128 / 8 warps (no
+            # spill), BK=128 / 4 warps spills
+            return math.ceil((2 * BT * BT + 4 * BT * BK) / (32 * config["num_warps"])) + REG_OVERHEAD
     elif stage == "state":
         live = BK * BV + BT * BV
     elif stage == "output":
