@@ -51,7 +51,7 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
     warps 250 registers, no spill, modelled 0.58 ms (1.35 with the 16-row blocks, 255 registers
     and 40 B; benchmarks/sass_profile.py); BK=32 / 8 warps 215 registers, 0.84 ms; BK=64 / 4
     warps spills 976 B. float32 inputs (ieee dots) spill 11 KB at BK=64 / 8 warps, none at BK=32
-    (168 registers).
+    (168 registers). Chunk 16 takes 4 warps (8 spilled 24 B at K=256 bf16; 4: 138 registers).
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "state":
@@ -76,7 +76,7 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
     if stage == "wy_decay":
-        return {"BK": 64 if dtype.itemsize <= 2 else 32, "num_warps": 8, "num_stages": 2}
+        return {"BK": 64 if dtype.itemsize <= 2 else 32, "num_warps": 4 if BT == 16 else 8, "num_stages": 2}
     if stage == "wy_prep":
         return {"BK": 64, "num_warps": 4, "num_stages": 2}
     raise ValueError(f"stage: unknown backward stage {stage!r}")
