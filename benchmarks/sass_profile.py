@@ -184,11 +184,15 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
                 out.append(BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)   # columns, block rows
             else:                                                    # levels (exp inside), V tiles
                 out.append(int(math.log2(BT)) if has(a, b, "MUFU") else math.ceil(V / args["BV"]))
-        elif "_wy_decay" in name:                            # K tiles (they store), column blocks BT/16 - 1
-            out.append(math.ceil(K / args["BK"]) if has(a, b, "STG") else        # (dots), columns 16
-                       BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)
-        elif "_wy_" in name:                                 # per-channel forward: K tiles (with dots),
-            out.append(math.ceil(K / args["BK"]) if has(a, b, "HGMMA", "HMMA") else 9)   # 9 column steps
+        elif "_wy_decay" in name:                            # K tiles (they store) around the log2(BT)
+            inner = [(c, d) for c, d in lp if not has(c, d, "STG")]          # levels (since kda-wy-levels:
+            out.append(math.ceil(K / args["BK"]) if has(a, b, "STG") else        # one inner loop) or
+                       int(math.log2(BT)) if len(inner) == 1 else                # column blocks BT/16 - 1
+                       BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)      # (dots) and columns 16
+        elif "_wy_" in name:                                 # per-channel forward: K tiles around
+            nested = any(c <= a and b <= d and (c, d) != (a, b) for c, d in lp)   # the log2(BT) levels
+            out.append(math.ceil(K / args["BK"]) if not nested else              # (dots, since kda-wy-levels)
+                       int(math.log2(BT)) if has(a, b, "HGMMA", "HMMA") else 9)   # or 9 column steps
         else:
             out.append(1)
     return out

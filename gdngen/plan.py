@@ -180,7 +180,7 @@ BACKWARD_STAGES = {
                 "through T = (I + A)^-1, W and U: dk, dv, dbeta and the decay gradient (delta rule)"),
     "wy_decay": Stage("wy_decay", "stages/backward_wy.py.j2", "_wy_decay_bwd_kernel_bt<BT>",
                       "vector decay + delta: the chain through A's per-channel decayed scores "
-                      "(dk, dbeta, decay gradient) on 16-row blocks"),
+                      "(dk, dbeta, decay gradient) level by level"),
     "gates": Stage("gates", "stages/backward_gates.py.j2", "_gates_bwd_kernel",
                    "reverse cumsum of the decay gradient per chunk, floor mask, fused gate and beta activations"),
     "l2norm": Stage("l2norm", "stages/backward_l2norm.py.j2", "_l2norm_bwd_kernel",

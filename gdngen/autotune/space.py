@@ -41,7 +41,7 @@ num_stages stays the default's. Estimates, per program (``+ 256 BK`` with per-ch
   state_bwd     dh [BK, BV], dv and dO [BT, BV]     [BT, BK] + [BT, BV];    dh, a [BT, BK] operand
   chunk_bwd     dq dk dw [BT, BK], dS, <h, dh>      h, dh [BK, BV], 3 [BT, BV]; dS, q, k
   wy_bwd        T, dRR, KK [BT, BT], dR [BT, BK]    2 [BT, BK] + 2 [BT, BV]; T, dRR
-  wy_decay_bwd  dA slice [BT, BT], 7 [BT, BK]        2 [BT, BK];             dA
+  wy_decay_bwd  dA (2) [BT, BT], 8 [BT, BK]          2 [BT, BK];             dA
 Deliberately rough: the tuner checks and times what survives, and rejects what fails to compile.
 """
 from __future__ import annotations
@@ -178,10 +178,11 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
         nb = BT // 16
         live = nb * (nb + 1) * 256 + BT * BK
         if per_channel:
-            # whole-chunk products (stages/_channel_wy.j2): [BT, BT] P, [BT, BK] D, and six
-            # [BT, BK] k / g tiles (own, partner, gathered column); ptxas: 128 registers at
-            # BT=64, BK=32, 8 warps; 255 at BK=64, 4 warps
-            return math.ceil((BT * BT + 7 * BT * BK) / (32 * config["num_warps"])) + REG_OVERHEAD
+            # level products (stages/_channel_chunk_scores.j2): [BT, BT] A and a level's dot, and
+            # the k, g, g_r and decayed [BT, BK] tiles; ptxas at BT=64: 127 registers at BK=32 /
+            # 8 warps, 216 at 4 warps, 248 at BK=64 / 4 warps, 223 at BK=128 / 8 warps (no
+            # spill), BK=128 / 4 warps spills
+            return math.ceil((2 * BT * BT + 4 * BT * BK) / (32 * config["num_warps"])) + REG_OVERHEAD
     elif stage == "state":
         live = BK * BV + BT * BV
     elif stage == "output":
@@ -203,9 +204,10 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
     elif stage == "wy_bwd":
         live = 3 * BT * BT + BT * BK
     elif stage == "wy_decay_bwd":
-        # whole-chunk tiles since 2026-11-30 (no [16, 16, BK] block product): Y, X, k, g and the
-        # gathered k, g, exponent [BT, BK] tiles, one [BT, BT] dA slice for the products
-        live = BT * BT + 7 * BT * BK
+        # levels since kda-wy-levels: dA + dA^T and its level-masked copy [BT, BT]; Y, X, k, g,
+        # g_r, the exponent, the dot operand and result [BT, BK] (ptxas at BT=64: 250 registers at
+        # BK=64 / 8 warps, 215 at BK=32 / 8 warps, no spill; BK=64 / 4 warps spills)
+        live = 2 * BT * BT + 8 * BT * BK
     else:
         raise ValueError(f"stage: unknown stage {stage!r}")
     return math.ceil(live / (32 * config["num_warps"])) + REG_OVERHEAD

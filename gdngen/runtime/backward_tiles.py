@@ -46,10 +46,12 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
     sub-blocks and kept every [16, 16] block pair live until 2026-11-30; with 4 warps ptxas spilled
     42-44 KB per thread of them (kda, K=V=128, bf16, chunk 64: ``gdngen check --compile-sm90``),
     with 8 warps 0.9 and 7.5 KB. Both now hold whole-chunk [BT, BK] / [BT, BT] float32 tiles: the
-    chunk kernel 255 registers, no spill at 8 warps (gla and kda, same shape), 1.5 KB at 4; the
-    wy_decay kernel (stages/_channel_wy.j2) 255 registers and 40 B at BK=64 / 8 warps, its
-    modelled time 1.35 ms against 5.8 before (benchmarks/sass_profile.py: BK=32 / 8 warps does not
-    spill but models 1.9 ms, BK=64 / 4 warps 1.3 ms with 1.1 KB).
+    chunk kernel 255 registers, no spill at 8 warps (gla and kda, same shape), 1.5 KB at 4. The
+    wy_decay kernel goes level by level since kda-wy-levels (stages/_channel_wy.j2): BK=64 / 8
+    warps 250 registers, no spill, modelled 0.58 ms (1.35 with the 16-row blocks, 255 registers
+    and 40 B; benchmarks/sass_profile.py); BK=32 / 8 warps 215 registers, 0.84 ms; BK=64 / 4
+    warps spills 976 B. float32 inputs (ieee dots) spill 11 KB at BK=64 / 8 warps, none at BK=32
+    (168 registers). Chunk 16 takes 4 warps (8 spilled 24 B at K=256 bf16; 4: 138 registers).
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "state":
@@ -73,8 +75,10 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         return {"BK": 32, "BV": 128 if pv >= 128 and half else 64, "num_warps": 8, "num_stages": 1 if half else 2}
     if stage in ("chunk", "wy", "intra"):
         return {"BK": 64, "BV": 64, "num_warps": 8 if per_channel and stage == "chunk" else 4, "num_stages": 2}
-    if stage in ("wy_prep", "wy_decay"):
-        return {"BK": 64, "num_warps": 8 if stage == "wy_decay" else 4, "num_stages": 2}
+    if stage == "wy_decay":
+        return {"BK": 64 if dtype.itemsize <= 2 else 32, "num_warps": 4 if BT == 16 else 8, "num_stages": 2}
+    if stage == "wy_prep":
+        return {"BK": 64, "num_warps": 4, "num_stages": 2}
     raise ValueError(f"stage: unknown backward stage {stage!r}")
 
 

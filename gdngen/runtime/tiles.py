@@ -39,11 +39,12 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
     if stage == "wy":
         if per_channel:
-            # vector decay: A is built on whole-chunk [BT, BK] tiles (stages/_channel_wy.j2, a
-            # serial loop of 9 column steps per key tile). sm_90, Triton 3.6, K=V=128 bf16, chunk
-            # 64: BK=32 with 8 warps 128 registers, no spill, 2 programs per SM, modelled 0.69 ms
-            # at (4,8192,16,16); BK=64/4 warps 255 registers, 1.39 ms; BK=32/4 warps 0.96 ms
-            # (benchmarks/sass_profile.py; results/2026-11-30-offline-kda-wy-sass.md)
+            # vector decay: A is built level by level on whole-chunk [BT, BK] tiles
+            # (stages/_channel_chunk_scores.j2, log2(BT) exponent tiles and dots per key tile).
+            # sm_90, Triton 3.6, K=V=128 bf16, chunk 64: BK=32 with 8 warps 127 registers, no
+            # spill, 2 programs per SM, modelled 0.39 ms at (4,8192,16,16) (0.69 before the
+            # levels); BK=32/4 warps 216 registers 0.50 ms, BK=64/8 warps 171 registers (one
+            # program per SM) 0.53 ms, BK=64/4 warps 248 registers 0.54 ms (benchmarks/sass_profile.py)
             return {"BK": min(32, pk), "num_warps": 8, "num_stages": 2}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state":
