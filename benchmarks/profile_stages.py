@@ -2,12 +2,14 @@
 
 Per case: a per-kernel breakdown (torch.profiler, CUDA time per call) of the forward (and with
 --backward of a forward+backward step), then with --sweep a sweep that varies one forward stage's
-launch parameters at a time (gdngen.runtime.override) and times the whole forward with do_bench.
+launch parameters at a time (gdngen.runtime.override) and times the whole forward with do_bench
+(--sweep-backward: one backward stage's, override_backward, timing forward+backward).
 Any catalogue spec (--spec; inputs as `gdngen bench` draws them). Rows go to $OUT/stages.jsonl as
 measured, each with its spec.
 
     python benchmarks/profile_stages.py [--spec gated_delta_rule] [--cases 0,1] [--backward] [--sweep]
     python benchmarks/profile_stages.py --spec gla --cases 4 --backward     # (4,8192,16,16), issue #7
+    python benchmarks/profile_stages.py --spec kda --cases 4 --sweep-backward --stages wy_decay
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import triton
 
 from gdngen.bench import Case, make_inputs
 from gdngen.runtime import override
+from gdngen.runtime.backward_tiles import override_backward
 from gdngen.spec import load_spec
 
 OUT = os.environ.get("OUT", "bench_out")
@@ -30,11 +33,21 @@ CASES = [(4, 8192, 16, 32), (1, 131072, 16, 32), (8, 2048, 16, 16), (1, 32768, 2
 K = V = 128
 DEVICE = "cuda"
 SWEEP = {
-    "wy": [dict(num_warps=w, num_stages=s) for w, s in itertools.product([2, 4, 8], [1, 2])],
+    "wy": [dict(BK=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product([32, 64], [2, 4, 8], [1, 2])],
     "state": [dict(BV=bv, num_warps=w, num_stages=s)
               for bv, w, s in itertools.product([16, 32, 64], [4, 8], [2, 3])],   # 1 stage: illegal address (GDN)
     "output": [dict(BK=bk, BV=bv, num_warps=w, num_stages=s)
                for bk, bv, w, s in itertools.product([64, 128], [64, 128], [4, 8], [2, 3])],
+}
+# backward stages (gdngen.runtime.backward_tiles.override_backward), timed as a forward+backward step
+SWEEP_BACKWARD = {
+    "wy_decay": [dict(BK=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product([32, 64], [4, 8], [1, 2])],
+    # never below 64 in the wide stages (the tile rule in backward_tiles.py; BK=32 in wy faulted on the H200)
+    "wy": [dict(BK=bk, BV=bv, num_warps=w, num_stages=2) for bk, bv, w in itertools.product([64, 128], [64, 128], [4, 8])],
+    "chunk": [dict(BK=64, BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([64, 128], [4, 8], [1, 2])],
+    "intra": [dict(BK=32, BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([64, 128], [4, 8], [1, 2])],
+    "wy_prep": [dict(BK=bk, num_warps=w) for bk, w in itertools.product([32, 64, 128], [4, 8])],
+    "state": [dict(BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([16, 32, 64], [4, 8], [2, 3])],
 }
 
 
@@ -82,19 +95,20 @@ def breakdown(spec, case, fn, mode):
          "do_bench_us": 1e3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")})
 
 
-def sweep(spec, case, fn, stages=None):
-    for stage, variants in SWEEP.items():
+def sweep(spec, case, fn, stages=None, backward=False):
+    for stage, variants in (SWEEP_BACKWARD if backward else SWEEP).items():
         if stages and stage not in stages:
             continue
         for cfg in variants:
             try:
-                with override(spec.name, stage, **cfg):
+                with (override_backward(stage, **cfg) if backward else override(spec.name, stage, **cfg)):
                     ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is data too
-                log({"kind": "sweep", "spec": spec.name, "case": case, "stage": stage, "cfg": cfg,
+                log({"kind": "sweep", "spec": spec.name, "case": case, "backward": backward, "stage": stage, "cfg": cfg,
                      "error": repr(exc)[:120]})
                 continue
-            log({"kind": "sweep", "spec": spec.name, "case": case, "stage": stage, "cfg": cfg, "ms": ms})
+            log({"kind": "sweep", "spec": spec.name, "case": case, "backward": backward, "stage": stage, "cfg": cfg,
+                 "ms": ms})
 
 
 def main():
@@ -104,7 +118,10 @@ def main():
     parser.add_argument("--cases", default="0,1,2,3", help=f"comma-separated indices into {CASES}")
     parser.add_argument("--backward", action="store_true", help="also break down a forward+backward step")
     parser.add_argument("--sweep", action="store_true", help="sweep the forward stages' launch parameters")
-    parser.add_argument("--stages", default="", help=f"comma-separated subset of {list(SWEEP)} to sweep (default all)")
+    parser.add_argument("--sweep-backward", action="store_true",
+                        help="sweep the backward stages' launch parameters (timing forward+backward steps)")
+    parser.add_argument("--stages", default="", help=f"comma-separated subset of {list(SWEEP)} (or with "
+                        f"--sweep-backward {list(SWEEP_BACKWARD)}) to sweep (default all)")
     a = parser.parse_args()
     spec = load_spec(f"specs/{a.spec}.yaml")
     module = importlib.import_module(f"generated.{spec.name}")
@@ -115,8 +132,11 @@ def main():
             breakdown(spec, case, fwd, "fwd")
             if a.sweep:
                 sweep(spec, case, fwd, [x for x in a.stages.split(",") if x])
-        if a.backward:
-            breakdown(spec, case, step_fn(spec, module, case, backward=True), "fwd+bwd")
+        if a.backward or a.sweep_backward:
+            step = step_fn(spec, module, case, backward=True)
+            breakdown(spec, case, step, "fwd+bwd")
+            if a.sweep_backward:
+                sweep(spec, case, step, [x for x in a.stages.split(",") if x], backward=True)
         torch.cuda.empty_cache()
 
 

@@ -44,8 +44,11 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # sm_90, Triton 3.6, K=V=128 bf16, chunk 64: BK=32 with 8 warps 127 registers, no
             # spill, 2 programs per SM, modelled 0.39 ms at (4,8192,16,16) (0.69 before the
             # levels); BK=32/4 warps 216 registers 0.50 ms, BK=64/8 warps 171 registers (one
-            # program per SM) 0.53 ms, BK=64/4 warps 248 registers 0.54 ms (benchmarks/sass_profile.py)
-            return {"BK": min(32, pk), "num_warps": 8, "num_stages": 2}
+            # program per SM) 0.53 ms, BK=64/4 warps 248 registers 0.54 ms (benchmarks/sass_profile.py).
+            # Measured on the H200 (stop 20 sweep, whole kda forward, bf16): one pipeline stage wins
+            # everywhere - BK=32/4 warps 2.71 ms vs 2.99 with two stages at (4,8192,16,16), 6.50 vs
+            # 7.05 at (1,32768,32,32); BK=32/8 warps/one stage 2.75 / 6.56. float32 unmeasured.
+            return {"BK": min(32, pk), "num_warps": 4, "num_stages": 1}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state":
         # the whole K extent of the state stays in registers: narrow V tiles for large K
