@@ -43,10 +43,10 @@ SWEEP = {
 SWEEP_BACKWARD = {
     "wy_decay": [dict(BK=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product([32, 64], [4, 8], [1, 2])],
     # never below 64 in the wide stages (the tile rule in backward_tiles.py; BK=32 in wy faulted on the H200)
-    "wy": [dict(BK=bk, BV=bv, num_warps=w, num_stages=2) for bk, bv, w in itertools.product([64, 128], [64, 128], [4, 8])],
+    "wy": [dict(BK=64, BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([64, 128], [4, 8], [1, 2])],
     "chunk": [dict(BK=64, BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([64, 128], [4, 8], [1, 2])],
     "intra": [dict(BK=32, BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([64, 128], [4, 8], [1, 2])],
-    "wy_prep": [dict(BK=bk, num_warps=w) for bk, w in itertools.product([32, 64, 128], [4, 8])],
+    "wy_prep": [dict(BK=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product([64, 128], [4, 8], [1, 2])],
     "state": [dict(BV=bv, num_warps=w, num_stages=s) for bv, w, s in itertools.product([16, 32, 64], [4, 8], [2, 3])],
 }
 
