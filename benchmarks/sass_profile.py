@@ -166,7 +166,10 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
             # column loop (exponents, no dots), then intra's value tiles.
             top = [(c, d) for c, d in lp if not any(e <= c and d <= f and (e, f) != (c, d) for e, f in lp)]
             column = [not has(c, d, "HGMMA", "HMMA") and has(c, d, "MUFU") for c, d in lp]
-            if column[lp.index((a, b))]:
+            if len(lp) == 1 and "_output_fwd" in name:
+                # the delta rule's output with the wy stage's scores (aqk_from_wy): one pass over K tiles
+                out.append(math.ceil(K / args["BK"]))
+            elif column[lp.index((a, b))]:
                 out.append(16)
             elif any(column):
                 out.append(math.ceil(V / args["BV"]) if "_intra_bwd" in name and not has(a, b, "MUFU")

@@ -120,6 +120,11 @@ def build_plan(spec: Spec) -> Plan:
     # Vector decay runs the same stages: the templates apply its factors per key channel inside
     # the contraction over K (`per_channel`), on 16-row sub-blocks so no exponent is positive.
     exprs["per_channel"] = alg.per_channel
+    # Per-key-channel decay with the delta rule: the wy stage builds A's decayed key products level
+    # by level (stages/_channel_chunk_scores.j2) and, with the same exponent tiles and g loads, the
+    # output's scores A_qk (one more dot per level and key tile), written to a [B, T, HV, BT] buffer;
+    # the output stage then loads A_qk instead of running the levels again.
+    exprs["aqk_from_wy"] = alg.per_channel and t.delta
     exprs.update(_feature_map_exprs(spec))
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []
@@ -131,6 +136,10 @@ def build_plan(spec: Spec) -> Plan:
         # the blocked scores unroll over 16-row sub-blocks: one output kernel per chunk size
         stages = tuple(Stage(s.name, s.template, "_output_fwd_kernel_bt<BT>", s.purpose) if s.name == "output" else s
                        for s in stages)
+    if exprs["aqk_from_wy"]:
+        purposes = {"wy": STAGES["wy"].purpose + "; the output's decayed scores A_qk on the same exponent tiles",
+                    "output": "outputs: inter-chunk (Q S) plus the wy stage's A_qk over V_new"}
+        stages = tuple(Stage(s.name, s.template, s.kernel, purposes.get(s.name, s.purpose)) for s in stages)
     backward_backend, backward_stages, backward_reason, backward_exprs = _backward_plan(spec, alg)
     exprs.update(backward_exprs)
     return Plan(spec=spec, backend="triton", stages=stages,
