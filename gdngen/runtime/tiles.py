@@ -48,6 +48,9 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # Measured on the H200 (stop 20 sweep, whole kda forward, bf16): one pipeline stage wins
             # everywhere - BK=32/4 warps 2.71 ms vs 2.99 with two stages at (4,8192,16,16), 6.50 vs
             # 7.05 at (1,32768,32,32); BK=32/8 warps/one stage 2.75 / 6.56. float32 unmeasured.
+            # Since the stage also builds the output's scores A_qk (plan: aqk_from_wy, same dots):
+            # BK=32/4 warps 238 registers, modelled 0.74 ms (0.58 before); 8 warps 125 registers,
+            # 0.44 (0.41 before) - worth a new sweep of the warps on the H200.
             return {"BK": min(32, pk), "num_warps": 4, "num_stages": 1}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state":
@@ -78,6 +81,11 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # stage alone 900 us vs 1431 with eight at (4,8192,16,16), 1792 vs 2829 at
             # (1,32768,32,32) (H200, benchmarks/exp_channel_output.py; BK=32, BV=128, one stage).
             # float32 (ptxas only): BV=64 / eight warps / two stages spills 1.2 KB, BV=128 13-30 KB.
+            # The numbers above are the level kernel's (gla). With the delta rule (kda) the wy stage
+            # builds the scores (plan: aqk_from_wy) and this kernel only loads them: sm_90, Triton
+            # 3.6, (4,8192,16,16) K=V=128 bf16 chunk 64: 128 registers, no spill, modelled 0.06 ms
+            # plus memory traffic (BK=64 / two stages modelled alike); float32 BT=64 94 registers
+            # (1.2 KB spill with the levels). Unmeasured on the H200.
             if dtype in (torch.bfloat16, torch.float16):
                 return {"BK": min(32, pk), "BV": max(64, min(128, pv)), "num_warps": 4, "num_stages": 1}
             return {"BK": min(32, pk), "BV": 64, "num_warps": 8, "num_stages": 2}
