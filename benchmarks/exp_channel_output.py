@@ -112,7 +112,8 @@ def main():
     import importlib
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", default="4,8192,16,16")
-    parser.add_argument("--spec", default="gla")
+    # kda's output stage loads A_qk from its wy stage since stop 20: only gla's still builds the levels
+    parser.add_argument("--spec", default="gla", choices=["gla"])
     parser.add_argument("--only", default="", help="korder or split: time only that kernel's variants")
     a = parser.parse_args()
     B, T, H, HV = (int(x) for x in a.case.split(","))
