@@ -1,39 +1,30 @@
 """Where the GDN chunk forward+backward spends its time, and which backward tiles each stage prefers.
 
 Per case: a per-kernel breakdown of one forward+backward step (torch.profiler, CUDA time per
-step), then (--sweep) a sweep that varies one backward stage's launch parameters at a time
-(gdngen.runtime.backward_tiles.override_backward) and times the whole step with do_bench.
-Rows go to $OUT/backward_stages.jsonl as measured.
+step), then (--sweep) profile_stages' backward sweep (one backward stage's launch parameters at a
+time, gdngen.runtime.backward_tiles.override_backward, the whole step timed with do_bench).
+Breakdown rows go to $OUT/backward_stages.jsonl, sweep rows to $OUT/stages.jsonl, as measured.
 
     python benchmarks/profile_backward.py [--sweep] [--cases 0,1]
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 
 import torch
 import triton
 
-from gdngen.runtime.backward_tiles import override_backward
+from gdngen.spec import load_spec
 from generated.gated_delta_rule import chunk_gated_delta_rule
 
+import profile_stages
 from bench_backward import inputs
 
 OUT = os.environ.get("OUT", "bench_out")
 os.makedirs(OUT, exist_ok=True)
 CASES = [(1, 32768, 32, 32), (4, 8192, 16, 32), (8, 2048, 16, 16)]
-SWEEP = {
-    "state": [dict(BV=bv, num_warps=w, num_stages=s)
-              for bv, w, s in itertools.product([16, 32, 64], [4, 8], [2, 3])],   # s=1 crashed here
-    "chunk": [dict(BK=bk, BV=bv, num_warps=w, num_stages=s)
-              for bk, bv, w, s in itertools.product([64, 128], [64, 128], [4, 8], [2])],
-    "wy": [dict(BK=64, BV=bv, num_warps=w, num_stages=2) for bv, w in itertools.product([64, 128], [4, 8])],
-    "intra": [dict(BK=bk, BV=bv, num_warps=w) for bk, bv, w in itertools.product([64, 128], [64, 128], [4, 8])],
-    "wy_prep": [dict(BK=bk, num_warps=w) for bk, w in itertools.product([64, 128], [4, 8])],
-}
 
 
 def log(row):
@@ -72,16 +63,14 @@ def breakdown(case, leaves, do):
 
 
 def sweep(case, leaves, do):
+    """profile_stages' backward sweep (one stage's launch parameters at a time) on this GDN step."""
     step = step_of(leaves, do)
-    for stage, variants in SWEEP.items():
-        for cfg in variants:
-            try:
-                with override_backward(stage, **cfg):
-                    ms = triton.testing.do_bench(step, warmup=5, rep=40, grad_to_none=leaves, return_mode="median")
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is data too
-                log({"kind": "sweep", "case": case, "stage": stage, "cfg": cfg, "error": repr(exc)[:160]})
-                continue
-            log({"kind": "sweep", "case": case, "stage": stage, "cfg": cfg, "ms": ms})
+
+    def fresh_step():
+        for x in leaves:
+            x.grad = None
+        step()
+    profile_stages.sweep(load_spec("specs/gated_delta_rule.yaml"), case, fresh_step, backward=True)
 
 
 def main():

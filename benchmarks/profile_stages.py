@@ -22,6 +22,7 @@ import torch
 import triton
 
 from gdngen.bench import Case, make_inputs
+from gdngen.plan import build_plan
 from gdngen.runtime import override
 from gdngen.runtime.backward_tiles import override_backward
 from gdngen.spec import load_spec
@@ -96,8 +97,10 @@ def breakdown(spec, case, fn, mode):
 
 
 def sweep(spec, case, fn, stages=None, backward=False):
+    plan = build_plan(spec)
+    present = {s.name for s in (plan.backward_stages if backward else plan.stages)}
     for stage, variants in (SWEEP_BACKWARD if backward else SWEEP).items():
-        if stages and stage not in stages:
+        if stage not in present or (stages and stage not in stages):
             continue
         for cfg in variants:
             try:
