@@ -72,7 +72,10 @@ def _print(expr, names: dict) -> str:
     if expr is None:
         return "None"
     mapping = {sym: names[sym.name] for sym in expr.free_symbols}
-    return algebra.to_triton(expr, mapping)
+    # exp(x) as exp2(x * log2 e): ex2.approx.ftz, one multiply and one MUFU op, where tl.exp lowers
+    # to the same multiply and a non-ftz ex2 that ptxas wraps in a denormal fix-up (FSETP + 2 FMUL;
+    # Triton 3.6, sm_90). Equal results except outputs below float32's normal range (flushed to 0).
+    return algebra.to_triton(expr, mapping, use_exp2=True)
 
 
 def print_factor(plan: Plan, name: str, **names: str) -> str:

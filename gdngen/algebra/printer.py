@@ -138,6 +138,10 @@ class TritonPrinter(StrPrinter):
             return f"tl.exp2({self._operand(arg, allow_product=True)} * {LOG2_E!r})"
         return f"tl.exp({self._print(arg)})"
 
+    def _exp_of(self, expr) -> str:
+        """e^expr as printed by :meth:`_print_exp` (exp2 with use_exp2)."""
+        return self._print_exp(sp.exp(expr, evaluate=False))
+
     def _print_log(self, expr):
         return f"tl.log({self._print(expr.args[0])})"
 
@@ -158,12 +162,12 @@ class TritonPrinter(StrPrinter):
         return self._minmax(expr, "tl.minimum")
 
     def _print_sigmoid(self, expr):
-        return f"(1.0 / (1.0 + tl.exp({self._print(-expr.args[0])})))"
+        return f"(1.0 / (1.0 + {self._exp_of(-expr.args[0])}))"
 
     def _print_softplus(self, expr):
         # log(1 + e^x) overflows for large x; there softplus(x) == x to float precision.
         x = self._print(expr.args[0])
-        return f"tl.where({x} > 20.0, {x}, tl.log(1.0 + tl.exp({x})))"
+        return f"tl.where({x} > 20.0, {x}, tl.log(1.0 + {self._exp_of(expr.args[0])}))"
 
 
 def to_triton(expr, names: Optional[Mapping[sp.Symbol, str]] = None, *,
