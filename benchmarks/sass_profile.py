@@ -236,12 +236,14 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
     NT = T // BT
     rows = []
     with contextlib.ExitStack() as stack:
-        for stage, config in overrides.items():       # forward stages by name, backward ones as "chunk", ...
+        # forward stages by name; backward ones as "chunk", "intra", ... or, where a forward stage has the
+        # same name, with a suffix: "wy_bwd", "state_bwd"
+        for stage, config in overrides.items():
             if stage in ("output", "state", "wy"):
                 for name in specs:
                     stack.enter_context(tiles.override(name, stage, **config))
             else:
-                stack.enter_context(bt.override_backward(stage, **config))
+                stack.enter_context(bt.override_backward(stage.removesuffix("_bwd"), **config))
         for spec in [load_spec(p) for p in catalogue()]:
             if spec.name not in specs:
                 continue
@@ -291,7 +293,8 @@ def main(argv=None):
     parser.add_argument("--shape", default="4,8192,16,16,128,128", help="B,T,H,HV,K,V")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--override", default="{}", help='tiles per stage, e.g. {"chunk": {"BV": 128}, "output": {"num_warps": 8}}')
+    parser.add_argument("--override", default="{}", help='tiles per stage, e.g. {"chunk": {"BV": 128}, "output": {"num_warps": 8}, "wy_bwd": {"num_warps": 8}} '
+                        '(wy and state name the forward stages; wy_bwd and state_bwd the backward ones)')
     parser.add_argument("--latency", default="{}", help='model latencies, e.g. {"ldg": 600, "bar": 40}')
     parser.add_argument("--phases", default="bwd", help="compilecheck phases to profile, e.g. fwd,bwd")
     parser.add_argument("--json")
