@@ -128,13 +128,24 @@ def build_plan(spec: Spec) -> Plan:
     # output's scores A_qk (one more dot per level and key tile), written to a [B, T, HV, BT] buffer;
     # the output stage then loads A_qk instead of running the levels again.
     exprs["aqk_from_wy"] = alg.per_channel and t.delta
-    # Per-key-channel decay, 16-bit inputs: the gates stage (chunk-parallel; it holds the float32
-    # cumsum tile) also writes the state pass's decayed key tiles (stages/_channel_key_tiles.j2) in
-    # k's dtype, which the state pass rounds them to anyway, so the sequential pass loads them
-    # instead of building them from k and the float32 g_cum tile per chunk (float32 inputs: the
-    # state pass builds them). Which tiles: K * key_update_decay always; with the delta rule also
-    # K * key_w_decay (the T path's W S).
-    exprs["key_tiles_from_gates"] = alg.per_channel
+    # Per-key-channel decay, 16-bit inputs: a chunk-parallel stage that holds the float32 cumsum
+    # tile also writes the state pass's decayed key tiles (stages/_channel_key_tiles.j2) in k's
+    # dtype, which the state pass rounds them to anyway, so the sequential pass loads them instead
+    # of building them from k and the float32 g_cum tile per chunk (float32 inputs: the state pass
+    # builds them). Which tiles: K * key_update_decay always; with the delta rule also
+    # K * key_w_decay (the T path's W S). Which stage: without the delta rule the gates stage
+    # (key_tiles_from_gates); with it the wy stage (key_tiles_from_wy).
+    exprs["state_key_tiles"] = alg.per_channel
+    exprs["key_tiles_from_gates"] = alg.per_channel and not t.delta
+    # Per-key-channel decay with the delta rule: the wy stage (chunk-parallel) loads the chunk's k
+    # and float32 cumsum tiles per key tile anyway and writes the key tiles from them; the gates
+    # stage then reads g and writes its cumsum only, and k is read once less. At (4,8192,16,16)
+    # K=V=128 bf16, g float32: gates + wy bytes 1.61 -> 1.48 GB (the gates launch's 939 -> 537 MB);
+    # sm_90 model (Triton 3.6, benchmarks/sass_profile.py): gates 0.102 -> 0.050 ms, wy 0.529 ->
+    # 0.548 (234 registers, no spill). Forming the cumsum in the wy stage too (tl.cumsum per key
+    # tile; the gates launch over g gone, 1.21 GB) modelled wy at 0.748 ms - a cross-warp scan
+    # per key tile on its latency-bound path - against 0.598 here (branch kda-gates-wy, 71b7666).
+    exprs["key_tiles_from_wy"] = alg.per_channel and t.delta
     exprs.update(_feature_map_exprs(spec))
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []
