@@ -247,8 +247,11 @@ def _signature(launch: Launch):
 
 
 def _key(launch: Launch) -> tuple:
+    """Launches with equal keys compile to the same binary. Kernels of different specs share names
+    and often signatures (simple_gla's and gated_delta_rule's _output_fwd_kernel) but not their
+    bodies: the JIT function's cache_key (a hash of its source and dependencies) tells them apart."""
     signature, constexprs, attrs = _signature(launch)
-    return (launch.fn.__name__, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
+    return (launch.fn.__name__, launch.fn.cache_key, tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
             tuple(sorted((k, repr(v)) for k, v in attrs.items())), launch.num_warps, launch.num_stages)
 
 

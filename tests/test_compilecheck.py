@@ -62,3 +62,38 @@ def test_capture_uses_runtime_tiles():
     state = [launch for phase, launch in launches if phase == "fwd" and launch.fn.__name__ == "_state_fwd_kernel"][0]
     want = default_tiles("state", K=128, V=128, BT=64, N=1, HV=2, dtype=torch.bfloat16)
     assert (state.args["BV"], state.num_stages) == (want["BV"], want["num_stages"])
+
+
+
+_SAME_NAME_PROBE = """
+import importlib, json
+from gdngen import compilecheck
+from gdngen.spec import catalogue, load_spec
+shape = compilecheck.Shape(64, 64, 64, "bf16", 1, 1, 2)
+found = {}
+for name in ("gated_delta_rule", "simple_gla"):
+    spec = next(load_spec(p) for p in catalogue() if load_spec(p).name == name)
+    module = importlib.import_module("generated." + name)
+    found[name] = next(launch for phase, launch in compilecheck.capture(spec, module, shape)
+                       if phase == "fwd" and launch.fn.__name__ == "_output_fwd_kernel")
+gdn, sgla = found["gated_delta_rule"], found["simple_gla"]
+print(json.dumps({"bodies_differ": gdn.fn.cache_key != sgla.fn.cache_key,
+                  "keys_differ": compilecheck._key(gdn) != compilecheck._key(sgla)}))
+"""
+
+
+def test_same_named_kernels_of_two_specs_compile_apart():
+    """A kernel name and signature shared by two specs (simple_gla's and gated_delta_rule's output
+    stage) must not share one compile result: check() once reported one spec's registers for another.
+    Runs in a fresh process without the interpreter (capture needs compiled-mode @triton.jit kernels)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SAME_NAME_PROBE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bodies_differ"], "the two output stages should differ in source"
+    assert result["keys_differ"], "compilecheck would compile one spec's kernel and report it for both"
