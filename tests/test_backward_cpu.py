@@ -252,6 +252,27 @@ def test_backward_tile_override_is_checked():
     assert backward_tiles("chunk", **shape)["BK"] == 64
 
 
+def test_backward_wide_stage_tiles_below_64_refused_on_gpu(monkeypatch):
+    """The tile rule (narrow chunk / wy tiles gave wrong dk and dg on the H200) holds for GPU launches;
+    the interpreter keeps accepting them (the multi-tile tests above rely on it)."""
+    from gdngen.runtime import backward_tiles as bt
+    shape = dict(K=128, V=128, BT=64, N=1, HV=2, dtype=torch.bfloat16)
+    monkeypatch.setattr(bt, "_launches_on_gpu", lambda: True)
+    for stage in bt.WIDE_STAGES:
+        with bt.override_backward(stage, BK=32), pytest.raises(ValueError, match="BK.*>= 64"):
+            bt.backward_tiles(stage, **shape)
+    with bt.override_backward("chunk", BV=32), pytest.raises(ValueError, match="BV.*>= 64"):
+        bt.backward_tiles("chunk", **shape)
+    with bt.override_backward("intra", BK=32):          # no [BT, BT] product beside it: allowed
+        assert bt.backward_tiles("intra", **shape)["BK"] == 32
+    for stage in ("chunk", "wy", "intra", "wy_prep", "state", "wy_decay"):
+        config = bt.backward_tiles(stage, **shape)      # every default passes the rule
+        assert stage not in bt.WIDE_STAGES or min(config.get("BK", 64), config.get("BV", 64)) >= 64
+    monkeypatch.setattr(bt, "_launches_on_gpu", lambda: False)
+    with bt.override_backward("chunk", BK=32):
+        assert bt.backward_tiles("chunk", **shape)["BK"] == 32
+
+
 # ---- per-channel (vector) decay: gla and kda. Their scores carry the decay inside the contraction over K,
 # built on 16-row blocks so no exponent is positive; strong decay (log-gates to -20 per token)
 # must stay finite and accurate.

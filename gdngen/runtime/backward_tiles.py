@@ -23,6 +23,7 @@ the intra stage took the scores over, so any BV is allowed there.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Optional
 
@@ -94,12 +95,25 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
     raise ValueError(f"stage: unknown backward stage {stage!r}")
 
 
+# the stages whose [*, BK] / [*, BV] products sit beside a [BT, BT] one (the tile rule above)
+WIDE_STAGES = ("chunk", "wy")
+
+
+def _launches_on_gpu() -> bool:
+    """Whether launches go to a CUDA GPU (not the CPU interpreter, where narrow tiles are safe and
+    the tests use them to cover multi-tile layouts at small head dims)."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+
+
 def _problem(stage: str, config: dict, K: int) -> Optional[str]:
     """What makes ``config`` unlaunchable or unsafe for ``stage`` (None when nothing does)."""
     for key in ("BK", "BV"):
         tile = config.get(key)
         if tile is not None and (tile < 16 or tile & (tile - 1)):
             return f"{key}: the {stage} stage needs a power of two >= 16, got {tile}"
+        if tile is not None and tile < 64 and stage in WIDE_STAGES and _launches_on_gpu():
+            return (f"{key}: the {stage} stage needs tiles >= 64 on a GPU (narrower ones gave wrong dk/dg "
+                    f"on the H200 under Triton 3.6: the tile rule in gdngen.runtime.backward_tiles), got {tile}")
     if stage == "state" and config["BK"] < K:
         # the reverse state pass holds all K rows of its slice: a narrower BK would drop rows
         return f"BK: the state stage needs BK >= K ({K}), got {config['BK']}"
