@@ -180,8 +180,9 @@ def trips(name, ins, lp, args, *, K, V, BT, NT) -> list[int]:
                 out.append(math.ceil(V / args["BV"]))
             else:
                 out.append(math.ceil(K / args["BK"]))
-        elif "_intra_bwd" in name:
-            out.append(math.ceil(K / args["BK"]))
+        elif "_intra_bwd" in name:                           # scalar: K tiles (scores), then, since
+            out.append(math.ceil(V / args["BV"]) if has(a, b, "STG")   # gdn-bwd-rowfactors, the value
+                       else math.ceil(K / args["BK"]))                # tiles in the same program
         elif "_chunk_bwd_kernel_bt" in name:
             if any(not has(c, d, "HGMMA", "HMMA") for c, d in lp):   # before 2026-11-30: 16 diagonal
                 out.append(BT // 16 - 1 if has(a, b, "HGMMA", "HMMA") else 16)   # columns, block rows
@@ -209,7 +210,7 @@ def grid(name, args, *, B, HV, K, V, NT):
     if "_intra_bwd_kernel_bt" in name:
         return (1, NT, B * HV)             # per-channel: every value tile in one program (2026-11-30)
     if "_intra_bwd" in name:
-        return (math.ceil(V / args["BV"]), NT, B * HV)
+        return (1, NT, B * HV)             # scalar too since gdn-bwd-rowfactors (one score tile per chunk)
     if "_state_bwd" in name:
         return (math.ceil(V / args["BV"]), B * HV)
     if "_chunk_bwd" in name:
