@@ -48,7 +48,10 @@ def _check_grads(name, options, chunk_size=64, **shape):
     ("delta_rule", {"use_qk_l2norm_in_kernel": True}),
     ("gla", {}),
     ("kda", {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}),
-], ids=["gdn", "gdn-fused", "simple_gla", "delta_rule-l2norm", "gla", "kda-fused"])
+    ("linear_attn", {"normalize": True}),
+    ("linear_attn", {"normalize": True, "feature_map": "elu"}),
+], ids=["gdn", "gdn-fused", "simple_gla", "delta_rule-l2norm", "gla", "kda-fused", "linear_attn-normalize",
+        "linear_attn-normalize-elu"])
 def test_backward_bf16_realistic(name, options):
     _check_grads(name, options, B=2, T=2048, H=4, HV=8, K=128, V=128)
 
