@@ -60,6 +60,10 @@ STAGES = {
                    "sequential pass over chunks: chunk-start states, final state, V_new"),
     "output": Stage("output", "stages/output.py.j2", "_output_fwd_kernel",
                     "outputs: inter-chunk (Q S) plus intra-chunk causal attention"),
+    # normalize=True (linear attention): z_t = scale * phi(q_t) . sum_{s<=t} phi(k_s) by a scan of
+    # its own, O(T K) per head, instead of a second pass of the chunk op with a value column of ones
+    "normalizer": Stage("normalizer", "stages/normalizer.py.j2", "_normalizer_kernel",
+                        "normalize: z_t = scale phi(q_t) . cumsum phi(k) per key tile; its gradients by the same scan"),
     # The token recurrence (decode, speculative verify, state pools): its own public function,
     # rendered for every spec, per-channel decay included (a [BK] decay row is just a vector).
     "recurrent": Stage("recurrent", "stages/recurrent.py.j2", "_recurrent_fwd_kernel",
@@ -151,7 +155,9 @@ def build_plan(spec: Spec) -> Plan:
     names += ["random_features"] if "random_features" in spec.feature_maps else []
     names += ["gates"]
     names += ["wy"] if t.delta else []
-    names += ["state", "output", "recurrent"]
+    names += ["state", "output"]
+    names += ["normalizer"] if spec.normalize else []
+    names += ["recurrent"]
     stages = tuple(STAGES[n] for n in names)
     if alg.per_channel:
         # the blocked scores unroll over 16-row sub-blocks: one output kernel per chunk size

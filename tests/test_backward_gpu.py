@@ -16,6 +16,16 @@ TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta"
 FUSED = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
 
 
+# Known gap (found at stop 22, issue #7): with normalize=True, bf16 dq is 1.06e-2 (identity) and 1.87e-2
+# (elu+1) against the 8e-3 bar at (2, 2048, 4, 8), K = V = 128 on the H200, for the old normaliser (a second
+# chunk-op pass) and the normalizer stage alike (bf16-faithful CPU interpreter at (1, 1024, 2, 4), K = V = 64:
+# old 1.11e-2 / 1.84e-2, new 1.06e-2 / 1.82e-2). dq = scale (S do' - (do' . o') C) / z: the main op's dq
+# and the normaliser's are two bf16-rounded terms of one size that cancel. Every other gradient is held
+# to the bar; dq is reported as an expected failure and fails the test the day it meets the bar (so this
+# list is kept honest).
+KNOWN_DQ_GAP = {("linear_attn", (("normalize", True),)), ("linear_attn", (("feature_map", "elu"), ("normalize", True)))}
+
+
 def _check_grads(name, options, chunk_size=64, **shape):
     spec = load_spec(f"specs/{name}.yaml")
     module = importlib.import_module(f"generated.{name}")
@@ -37,8 +47,12 @@ def _check_grads(name, options, chunk_size=64, **shape):
     ro, rht = reference.run(spec, *positional, form="chunked", output_final_state=True, **ref_args, **options)
     want = torch.autograd.grad((ro, rht), list(ref_leaves.values()), (do.double(), dht.double()))
     errors = {n: rel_rmse(a, b) for n, a, b in zip(leaves, got, want)}
-    bad = {n: e for n, e in errors.items() if not e <= TOL[n]}
+    known_gap = (name, tuple(sorted(options.items()))) in KNOWN_DQ_GAP
+    bad = {n: e for n, e in errors.items() if not e <= TOL[n] and not (known_gap and n == "q")}
     assert not bad, f"{name} {options}: {bad} (all: {errors})"
+    if known_gap:
+        assert not errors["q"] <= TOL["q"], f"dq {errors['q']:.3g} now meets the bar: drop {name} {options} from KNOWN_DQ_GAP"
+        pytest.xfail(f"known gap: bf16 dq {errors['q']:.3g} > {TOL['q']} (normalize=True, see KNOWN_DQ_GAP)")
 
 
 @pytest.mark.parametrize("name,options", [
@@ -48,7 +62,10 @@ def _check_grads(name, options, chunk_size=64, **shape):
     ("delta_rule", {"use_qk_l2norm_in_kernel": True}),
     ("gla", {}),
     ("kda", {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True}),
-], ids=["gdn", "gdn-fused", "simple_gla", "delta_rule-l2norm", "gla", "kda-fused"])
+    ("linear_attn", {"normalize": True}),
+    ("linear_attn", {"normalize": True, "feature_map": "elu"}),
+], ids=["gdn", "gdn-fused", "simple_gla", "delta_rule-l2norm", "gla", "kda-fused", "linear_attn-normalize",
+        "linear_attn-normalize-elu"])
 def test_backward_bf16_realistic(name, options):
     _check_grads(name, options, B=2, T=2048, H=4, HV=8, K=128, V=128)
 

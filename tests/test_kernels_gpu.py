@@ -29,6 +29,23 @@ def test_realistic(name, dtype, chunk_size):
     _run(name, dtype, chunk_size, B=2, T=700, H=4, HV=8, K=128, V=128)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["dense", "varlen-odd-K-elu"])
+def test_linear_attn_normalize(dtype, case):
+    """normalize=True (the op's default): the normalizer stage's z per key head, HV = 2 H."""
+    spec = load_spec("specs/linear_attn.yaml")
+    module = importlib.import_module("generated.linear_attn")
+    if case == "dense":
+        shape, options = dict(B=2, T=2100, H=4, HV=8, K=128, V=128), {}
+    else:
+        shape, options = dict(lengths=[0, 1, 63, 64, 65, 700, 0], H=2, HV=4, K=100, V=64), {"feature_map": "elu"}
+    inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=9, **shape)
+    o, ht = call(module, spec, inputs, output_final_state=True, normalize=True, **options)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True, normalize=True, **options)
+    assert rel_rmse(o, o_ref) <= TOL[dtype], rel_rmse(o, o_ref)
+    assert rel_rmse(ht, ht_ref) <= TOL[dtype], rel_rmse(ht, ht_ref)
+
+
 @pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule", "gla", "kda"])
 @pytest.mark.parametrize("K,V", [(20, 100), (100, 20), (256, 256), (64, 32), (32, 64), (64, 64), (128, 64), (256, 128)])
 def test_head_dims(name, K, V):
