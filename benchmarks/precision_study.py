@@ -21,6 +21,12 @@ K = V = 128, bf16, from the buffers a variant widens to float32 (register-only r
 but their dot runs as TF32 instead of bf16: half the tensor-core rate on that dot).
 
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/precision_study.py --T 2048
+
+``--gpu`` (no interpreter, no patch): the same variants compiled on the GPU, on bench_prefill's
+precision case (inputs(1, 4096, 16, 32, seed=2), K = V = 128: the T path by itself), and with
+``--time`` each variant's forward timed at (1, 32768, 32, 32) (triton.testing.do_bench, median):
+
+    PYTHONPATH=$PWD python benchmarks/precision_study.py --gpu --time --md $OUT/precision_study_h200.md
 """
 import argparse
 import importlib.util
@@ -30,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "--gpu" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -183,6 +190,38 @@ SPLIT_VUPD = [(STATE_UPDATE_DOT,
                "        b_v_lo = (b_v - b_v_hi.to(tl.float32)).to(b_k.dtype)\n"
                "        b_h += tl.dot(tl.trans(b_k), b_v_hi, input_precision=DOT_PRECISION) + tl.dot(tl.trans(b_k), b_v_lo, input_precision=DOT_PRECISION)", 1)]
 
+# V_new not read from memory: the output stage recomputes it in float32 from v, T, beta, the decay and
+# the chunk-start state it loads anyway (X = diag(beta) V - diag(beta decay) (K h), V_new = T X with
+# X split), the P V_new dot split in 3 bf16 dots. h is the stored bf16 state, which is what the state
+# pass's K S dot rounds S to, so the recomputed V_new is the state pass's unrounded one (up to the
+# float32 summation order). The state pass is unchanged (its V_new store would go: not counted here).
+OUTPUT_SIGNATURE = ("    g_cum,          # [B, T, HV] float32 chunk-local cumsum of the log-decay\n"
+                    "    o,              # [B, T, HV, V] out\n")
+OUTPUT_V_LOAD = ("    b_v = tl.load(v + o_tv, mask=m_tv, other=0.)\n"
+                 "    # [BT, BT] @ [BT, BV] -> [BT, BV]\n")
+RECOMPUTE_VNEW = [
+    (OUTPUT_SIGNATURE, OUTPUT_SIGNATURE.replace("    o,", "    tmat,\n    beta_act,\n    o,"), 1),
+    ("    b_A = tl.zeros([BT, BT], dtype=tl.float32)\n    # BV >= 64",
+     "    b_A = tl.zeros([BT, BT], dtype=tl.float32)\n    b_kh = tl.zeros([BT, BV], dtype=tl.float32)\n    # BV >= 64", 1),
+    (OUTPUT_QS_DOT, OUTPUT_QS_DOT + "\n        b_kh += tl.dot(b_k, b_h.to(b_k.dtype), input_precision=DOT_PRECISION)", 1),
+    (OUTPUT_V_LOAD + "    " + OUTPUT_PV_DOT,
+     "    b_v = tl.load(v + o_tv, mask=m_tv, other=0.).to(tl.float32)\n"
+     "    b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.)\n"
+     "    b_x = b_v * b_beta[:, None] - b_kh * (b_beta * tl.exp2(b_g * 1.4426950408889634))[:, None]\n"
+     "    b_T = tl.load(tmat + (t0 * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + o_t[None, :], mask=m_t[:, None], other=0.)\n"
+     "    b_x_hi = b_x.to(b_T.dtype)\n"
+     "    b_x_lo = (b_x - b_x_hi.to(tl.float32)).to(b_T.dtype)\n"
+     "    b_v = tl.dot(b_T, b_x_hi, input_precision=DOT_PRECISION) + tl.dot(b_T, b_x_lo, input_precision=DOT_PRECISION)\n"
+     "    b_A_hi = b_A.to(tl.bfloat16)\n"
+     "    b_A_lo = (b_A - b_A_hi.to(tl.float32)).to(tl.bfloat16)\n"
+     "    b_v_hi = b_v.to(tl.bfloat16)\n"
+     "    b_v_lo = (b_v - b_v_hi.to(tl.float32)).to(tl.bfloat16)\n"
+     "    b_o = (b_o + tl.dot(b_A_hi, b_v_hi, input_precision=DOT_PRECISION) + tl.dot(b_A_lo, b_v_hi, input_precision=DOT_PRECISION)"
+     " + tl.dot(b_A_hi, b_v_lo, input_precision=DOT_PRECISION)) * scale", 1),
+    ("            q, k, values, h, g_cum, o, cu_seqlens, chunk_indices, scale, T,",
+     '            q, k, v, h, g_cum, fwd["tmat"], fwd["beta_act"], o, cu_seqlens, chunk_indices, scale, T,', 1),
+]
+
 IEEE = [(FWD_PRECISION, FWD_PRECISION.replace("dot_precision(q.dtype)", '"ieee"'), 2),   # forward and backward
         (STATES_PRECISION, '    precision = "ieee"\n', 1)]
 
@@ -195,6 +234,10 @@ VARIANTS += [
     ("X+P split", (), SPLIT_X + SPLIT_P, "X and P as bf16 hi+lo pairs: 2 bf16 dots each, no TF32"),
     ("X+Vnew+P split", (), SPLIT_X + SPLIT_PV, "as above, V_new float32 in memory, P V_new as 3 bf16 dots"),
     ("X+Vnew+P+Vupd split", (), SPLIT_X + SPLIT_PV + SPLIT_VUPD, "as above, and the state update's V_new split (final state)"),
+    ("Vnew recomputed in output", (), RECOMPUTE_VNEW,
+     "output forms V_new = T X from v, T, h in float32 (X split), P V_new 3 bf16 dots; state pass as generated"),
+    ("Vnew recomputed + state X/Vupd split", (), RECOMPUTE_VNEW + SPLIT_X + SPLIT_VUPD,
+     "as above, and the state pass's X and update operand split (its V_new store would go)"),
     ("T+X f32", ("T", "X"), [], "the whole V_new = T X product in float32"),
     ("T+X+Vnew+P f32", ("T", "X", "Vnew", "P"), [], "the intra-chunk path in float32"),
     ("all f32 (TF32 dots)", POINTS, [], "every rounding point float32; float32 dots at TF32"),
@@ -236,6 +279,14 @@ def extra_bytes(keep, B=1, T=32768, H=32, HV=32, K=128, V=128, BT=64):
     return sum(2 * per_buffer[p] for p in keep if p in per_buffer)
 
 
+def recompute_bytes(B=1, T=32768, H=32, HV=32, K=128, V=128, BT=64):
+    """V_new recomputed by the output stage: its bf16 write by the state pass goes, the output reads v
+    instead of V_new (same bytes) plus T once per output V tile (beta: negligible)."""
+    n_output_v_tiles = -(-V // tiles_module.tiles("gated_delta_rule", "output", K=K, V=V, BT=BT, N=B, HV=HV,
+                                                  dtype=torch.bfloat16, H=H, T=T)["BV"])
+    return B * T * HV * BT * 2 * n_output_v_tiles - B * T * HV * V * 2
+
+
 def baseline_bytes(B=1, T=32768, H=32, HV=32, K=128, V=128, BT=64):
     """HBM bytes of today's forward (bf16 buffers, T path), for scale: inputs read, buffers written and read."""
     n_state_v_tiles = -(-V // tiles_module.tiles("gated_delta_rule", "state", K=K, V=V, BT=BT, N=B, HV=HV,
@@ -265,6 +316,17 @@ def make_inputs(B, T, H, HV, K, V, seed, gate_shift=2.0):
     return q, k, v, g, beta
 
 
+def bench_prefill_inputs(B, T, H, HV, K, V, seed):
+    """benchmarks/bench_prefill.py's inputs() on the GPU, bit for bit (same generator calls)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, K, device="cuda", generator=gen).to(torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, HV, V, device="cuda", generator=gen).to(torch.bfloat16)
+    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 2.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=gen))
+    return q, k, v, g, beta
+
+
 def forward(module, q, k, v, g, beta):
     return module.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=True,
@@ -283,18 +345,28 @@ def main():
     parser.add_argument("--tf32", choices=("truncate", "round", "off"), default="truncate",
                         help="how a float32 dot at input_precision tf32 rounds its operands")
     parser.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--gpu", action="store_true", help="compile on the GPU: bench_prefill's (1,4096,16,32) case")
+    parser.add_argument("--time", action="store_true", help="with --gpu: also time each forward at (1,32768,32,32)")
+    parser.add_argument("--md", default="", help="with --gpu: append the table to this file")
     parser.add_argument("--no-write", action="store_true", help=f"do not append to {RESULTS.name}")
     args = parser.parse_args()
-    assert os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available(), "CPU interpreter only"
-
-    B, T, H, HV, K = 1, args.T, args.H, args.HV, args.K
-    V = K
-    q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, args.seed, args.gate_shift)
+    if args.gpu:
+        assert torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", "--gpu needs CUDA, compiled"
+        B, T, H, HV, K = 1, 4096, 16, 32, 128
+        V = K
+        q, k, v, g, beta = bench_prefill_inputs(B, T, H, HV, K, V, seed=2)
+        big = bench_prefill_inputs(1, 32768, 32, 32, K, V, seed=0) if args.time else None
+    else:
+        assert os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available(), "CPU interpreter only"
+        B, T, H, HV, K = 1, args.T, args.H, args.HV, args.K
+        V = K
+        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, args.seed, args.gate_shift)
+        big = None
     import generated.gated_delta_rule as gdn
     o_ref, ht_ref = reference.run(gdn.SPEC, q, k, v, g, beta, form="chunked", output_final_state=True)
     floor = rel_rmse(o_ref.to(torch.bfloat16), o_ref)
 
-    undo = patch_interpreter(args.tf32)
+    undo = (lambda: None) if args.gpu else patch_interpreter(args.tf32)
     rows = []
     try:
         # the T path, as the H200 takes it at N * HV >= 32 (store_wu would pick W/U at N * HV = 2)
@@ -306,20 +378,50 @@ def main():
                     continue
                 module = scratch_module(f"gdn_precision_variant_{i}", edits_for(keep) + extra, scratch)
                 start = time.perf_counter()
-                o, ht = forward(module, q, k, v, g, beta)
+                try:
+                    o, ht = forward(module, q, k, v, g, beta)
+                except Exception as exc:  # noqa: BLE001 - on the GPU a variant may not compile (shared memory): report, go on
+                    if not args.gpu:
+                        raise
+                    print(f"{name:24s} FAILED: {exc!r}"[:400], flush=True)
+                    continue
                 seconds = time.perf_counter() - start
                 if i == 0:   # the scratch copy is the shipped forward: the public op gives the same bits
                     o_pub, ht_pub = gdn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
                     assert torch.equal(o_pub, o) and torch.equal(ht_pub, ht), "scratch baseline != public op"
+                if big is not None:
+                    import triton
+                    forward(module, *big)
+                    row_ms = triton.testing.do_bench(lambda: forward(module, *big), warmup=25, rep=200,
+                                                     return_mode="median")
                 widened = set(keep) | ({"Vnew"} if any(edit in extra for edit in SPLIT_PV) else set())
+                extra_mb = extra_bytes(widened) / 1e6
+                if RECOMPUTE_VNEW[0] in extra:
+                    extra_mb = recompute_bytes() / 1e6
                 row = dict(variant=name, o=rel_rmse(o, o_ref), ht=rel_rmse(ht, ht_ref),
-                           extra_mb=extra_bytes(widened) / 1e6, seconds=seconds, meaning=meaning)
+                           extra_mb=extra_mb, seconds=seconds, meaning=meaning,
+                           ms=row_ms if big is not None else None)
                 rows.append(row)
                 print(f"{name:24s} o {row['o']:.3e}  ht {row['ht']:.3e}  +{row['extra_mb']:7.0f} MB  "
-                      f"({seconds:.0f} s)", flush=True)
+                      f"({seconds:.0f} s)" + (f"  32k fwd {row['ms']:.3f} ms" if row["ms"] is not None else ""),
+                      flush=True)
     finally:
         undo()
 
+    if args.gpu:
+        lines = ["\n## H200: bench_prefill's precision case (1,4096,16,32), K=V=128, seed 2, compiled\n",
+                 "`PYTHONPATH=$PWD python benchmarks/precision_study.py --gpu" + (" --time" if args.time else "") + "`\n",
+                 f"Floor (float64 reference rounded once to bf16): o {floor:.3e}.\n",
+                 "| variant | rel_rmse o | rel_rmse final state | extra bytes at 32k | fwd ms at (1,32768,32,32) |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['o']:.3e} | {r['ht']:.3e} | {r['extra_mb']:.0f} MB | "
+                  + (f"{r['ms']:.3f}" if r["ms"] is not None else "-") + " |" for r in rows]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.md:
+            with open(args.md, "a") as f:
+                f.write(text)
+        return
     command = (f"PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/precision_study.py --T {T} --H {H} "
                f"--HV {HV} --K {K} --seed {args.seed} --gate-shift {args.gate_shift} --tf32 {args.tf32}" + (f" --only '{args.only}'" if args.only else ""))
     lines = [f"\n## B=1, T={T}, H={H}, HV={HV}, K=V={K}, seed {args.seed}, g = logsigmoid(randn + {args.gate_shift}), chunk 64, T path, TF32 operands: {args.tf32}\n",
