@@ -53,60 +53,7 @@ GENERATED = ROOT / "generated" / "gated_delta_rule.py"
 RESULTS = ROOT / "benchmarks" / "results" / "precision_study_cpu.md"
 
 
-# ---------------------------------------------------------------- the bf16-faithful interpreter
-def patch_interpreter(tf32_mode="truncate"):
-    """Make the Triton interpreter round like the H200 does (module-wide; returns an undo function)."""
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    builder = interp.InterpreterBuilder
-    saved = {name: getattr(builder, name) for name in
-             ("create_dot", "cast_impl", "create_fp_trunc", "create_fp_to_fp")}
-    dot, cast, fp_to_fp = saved["create_dot"], saved["cast_impl"], saved["create_fp_to_fp"]
-
-    def as_f32(x):
-        if x.dtype.scalar == tl.bfloat16:
-            return torch.from_numpy(np.ascontiguousarray(x.data)).view(torch.bfloat16).float().numpy()
-        return x.data.astype(np.float32)
-
-    def to_tf32(a):
-        bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-        if tf32_mode == "round":           # nearest, ties away (cvt.rna.tf32.f32)
-            bits = bits + np.uint32(1 << 12)
-        return (bits & np.uint32(0xFFFFE000)).view(np.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
-            return interp.TensorHandle(np.matmul(as_f32(a), as_f32(b), dtype=np.float32) + d.data, d.dtype.scalar)
-        precision = str(input_precision).lower()
-        if tf32_mode != "off" and a.dtype.scalar == tl.float32 and "tf32" in precision and "x3" not in precision:
-            return interp.TensorHandle(np.matmul(to_tf32(a.data), to_tf32(b.data), dtype=np.float32) + d.data,
-                                       d.dtype.scalar)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def to_bf16(src):
-        t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
-        return interp.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return to_bf16(src)
-        return cast(self, src, dst_type)
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return to_bf16(src)
-        return fp_to_fp(self, src, dst_type, rounding_mode)
-
-    builder.create_dot = create_dot
-    builder.cast_impl = cast_impl
-    builder.create_fp_trunc = lambda self, src, dst_type: cast_impl(self, src, dst_type)
-    builder.create_fp_to_fp = create_fp_to_fp
-
-    def undo():
-        for name, fn in saved.items():
-            setattr(builder, name, fn)
-    return undo
+from gdngen.bf16_emulation import patch_bf16_interpreter  # noqa: E402
 
 
 # ---------------------------------------------------------------- the variants (source edits)
@@ -366,7 +313,7 @@ def main():
     o_ref, ht_ref = reference.run(gdn.SPEC, q, k, v, g, beta, form="chunked", output_final_state=True)
     floor = rel_rmse(o_ref.to(torch.bfloat16), o_ref)
 
-    undo = (lambda: None) if args.gpu else patch_interpreter(args.tf32)
+    undo = (lambda: None) if args.gpu else patch_bf16_interpreter(args.tf32)
     rows = []
     try:
         # the T path, as the H200 takes it at N * HV >= 32 (store_wu would pick W/U at N * HV = 2)

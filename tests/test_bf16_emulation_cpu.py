@@ -2,7 +2,7 @@
 
 Triton's interpreter stores bf16 as uint16 and multiplies the raw bits in ``tl.dot`` (garbage), and
 its float32 -> bf16 cast truncates.  The ``bf16_interpreter`` fixture patches both for the test's
-duration: ``tl.dot`` upcasts bf16 operands to float32 and accumulates in float32 (as the tensor cores
+duration (gdngen.bf16_emulation): ``tl.dot`` upcasts bf16 operands to float32 and accumulates in float32 (as the tensor cores
 do), and the cast rounds to nearest even (as ``cvt.rn.bf16.f32`` does).  With that, the CPU reproduces
 the GPU tier's test_head_dims pattern: kda at K=20, V=100 is the one shape over the 5e-3 bar (o ~5.1e-3),
 with no NaN and float32 at 2e-7 on the same shape: a bf16 rounding budget that grows as K shrinks
@@ -12,10 +12,10 @@ intermediates (W, U, V_new, the chunk states) in bf16.
 import importlib
 import os
 
-import numpy as np
 import pytest
 import torch
 
+from gdngen.bf16_emulation import patch_bf16_interpreter
 from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
 from gdngen.spec import load_spec
 
@@ -24,41 +24,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or tor
 
 
 @pytest.fixture
-def bf16_interpreter(monkeypatch):
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    builder = interp.InterpreterBuilder
-    dot, cast, fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
-
-    def as_f32(x):
-        if x.dtype.scalar == tl.bfloat16:
-            return torch.from_numpy(np.ascontiguousarray(x.data)).view(torch.bfloat16).float().numpy()
-        return x.data.astype(np.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
-            return interp.TensorHandle(np.matmul(as_f32(a), as_f32(b), dtype=np.float32) + d.data, d.dtype.scalar)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def to_bf16(src):
-        t = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
-        return interp.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return to_bf16(src)
-        return cast(self, src, dst_type)
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return to_bf16(src)
-        return fp_to_fp(self, src, dst_type, rounding_mode)
-
-    monkeypatch.setattr(builder, "create_dot", create_dot)
-    monkeypatch.setattr(builder, "cast_impl", cast_impl)
-    monkeypatch.setattr(builder, "create_fp_trunc", lambda self, src, dst_type: cast_impl(self, src, dst_type))
-    monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+def bf16_interpreter():
+    undo = patch_bf16_interpreter()          # gdngen.bf16_emulation: dots and casts as on the GPU
+    yield
+    undo()
 
 
 def _forward_error(name, dtype, K, V):
