@@ -36,6 +36,9 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--positive-qk", action="store_true",
+                        help="q, k = elu(randn) + 1, as the GPU tests draw them for normalize=True (signed q, k "
+                             "put q . sum k through zero and every implementation's error without bound)")
     a = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     B, T, H, HV = map(int, a.case.split(","))
@@ -44,6 +47,9 @@ def main():
     spec = load_spec(f"specs/{a.op}.yaml")
     module = importlib.import_module(f"generated.{a.op}")
     inputs = make_inputs(spec, Case("grad_error", B, T, H, HV, K, V), DTYPES[a.dtype], a.device, seed=a.seed)
+    if a.positive_qk:
+        for n in ("q", "k"):
+            inputs[n] = (torch.nn.functional.elu(inputs[n].float()) + 1).to(inputs[n].dtype)
     gen = torch.Generator(device=a.device).manual_seed(a.seed + 1)
     do = torch.randn(B, T, HV, V, device=a.device, generator=gen)
 
@@ -59,7 +65,11 @@ def main():
     if "fla" in a.impls.split(","):
         peer = fla_peer(a.op)
         if peer is not None:
-            # FLA_PEERS pins FLA's defaults (e.g. normalize=True); options here must agree with them
+            # FLA_PEERS pins FLA's defaults (e.g. normalize=True); options here must agree with them.
+            # FLA's op takes no feature map: elu+1 is applied to its q, k by autograd, outside the op.
+            if options.get("feature_map") in ("elu", "elu+1"):
+                mapped = peer
+                peer = lambda x, mapped=mapped: mapped({**x, **{n: torch.nn.functional.elu(x[n]) + 1 for n in ("q", "k")}})
             impls["fla"] = peer
     for name, fn in impls.items():
         leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()}
