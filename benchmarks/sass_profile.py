@@ -14,6 +14,12 @@ three lower bounds on an H200 (132 SMs, 1.98 GHz):
   fixed-latency ops cost their stall count, scoreboarded ones their assumed latency (LDG
   ``--ldg`` cycles, LDS 30, SHFL 25, MUFU 18, BAR.SYNC 20, wgmma by its FLOPs at 4096/clock + 60).
   It ignores contention between warps, bank conflicts and cache misses: a lower bound.
+  Asynchronous copies (cp.async, LDGSTS) cost nothing there unless ``--cp-async``: then their
+  groups land ``--ldg`` cycles after issue, ``DEPBAR.LE SB0, n`` waits for them, and loop bodies are
+  replayed in steady state (a step waits for copies issued one or more steps earlier). Without it
+  a pass whose pipeliner waits at the top of each step for the copies issued at the end of the step
+  before (two stages) looks as fast as one that overlaps them (benchmarks/NOTES.md, "GDN's reverse
+  state pass waited for its loads").
 
 Loop trip counts are not in the SASS; ``trips`` below gives them per kernel (from the sources),
 and ``grid`` the launch grid at the profiled shape; kernels without a rule there (the forward's
