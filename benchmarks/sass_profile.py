@@ -14,6 +14,12 @@ three lower bounds on an H200 (132 SMs, 1.98 GHz):
   fixed-latency ops cost their stall count, scoreboarded ones their assumed latency (LDG
   ``--ldg`` cycles, LDS 30, SHFL 25, MUFU 18, BAR.SYNC 20, wgmma by its FLOPs at 4096/clock + 60).
   It ignores contention between warps, bank conflicts and cache misses: a lower bound.
+  Asynchronous copies (cp.async, LDGSTS) cost nothing there unless ``--cp-async``: then their
+  groups land ``--ldg`` cycles after issue, ``DEPBAR.LE SB0, n`` waits for them, and loop bodies are
+  replayed in steady state (a step waits for copies issued one or more steps earlier). Without it
+  a pass whose pipeliner waits at the top of each step for the copies issued at the end of the step
+  before (two stages) looks as fast as one that overlaps them (benchmarks/NOTES.md, "GDN's reverse
+  state pass waited for its loads").
 
 Loop trip counts are not in the SASS; ``trips`` below gives them per kernel (from the sources),
 and ``grid`` the launch grid at the profiled shape; kernels without a rule there (the forward's
@@ -108,9 +114,19 @@ def counts(ins, lo, hi) -> collections.Counter:
     return c
 
 
-def critical_path(ins, lo, hi, lat) -> float:
-    """Cycles one warp needs to issue ins[lo:hi] alone (in order, control bits, assumed latencies)."""
-    t, sb, hg_busy, gsb = 0.0, [0.0] * 6, 0.0, 0.0
+def critical_path(ins, lo, hi, lat, state=None) -> float:
+    """Cycles one warp needs to issue ins[lo:hi] alone (in order, control bits, assumed latencies).
+
+    With ``lat["cp_async"]`` set, asynchronous copies (LDGSTS, cp.async) are modelled too: each
+    LDGDEPBAR closes a group that lands ``lat["ldg"]`` cycles after its last copy issued (groups
+    land in order), and ``DEPBAR.LE SB0, n`` waits until at most n groups are in flight. Without
+    it those waits cost nothing (the model before 2026-11-30's gdn-state-prefetch). ``state``
+    (a dict) carries time, scoreboards and groups from one replay into the next (loop bodies in
+    steady state: see :func:`loop_path`)."""
+    st = state if state is not None else {}
+    t, sb, hg_busy, gsb = st.get("t", 0.0), st.get("sb", [0.0] * 6), st.get("hg_busy", 0.0), st.get("gsb", 0.0)
+    groups, pending = st.get("groups", []), st.get("pending", None)
+    cp_async = lat.get("cp_async", 0)
     for x in ins[lo:hi]:
         op = x["op"]
         if op == "NOP":
@@ -118,6 +134,19 @@ def critical_path(ins, lo, hi, lat) -> float:
         for i in range(6):
             if x["wait"] >> i & 1:
                 t = max(t, sb[i])
+        if cp_async and op.startswith("DEPBAR.LE"):
+            m = re.match(r"SB0,\s*(0x[0-9a-f]+|\d+)", x["args"])
+            if m:
+                keep = int(m.group(1), 0)
+                if len(groups) > keep:
+                    t = max(t, groups[len(groups) - keep - 1])
+                groups = groups[len(groups) - keep:] if keep else []
+        if cp_async and op.startswith("LDGSTS"):
+            pending = max(pending or 0.0, t)
+        if cp_async and op.startswith("LDGDEPBAR"):
+            done = (pending if pending is not None else t) + lat["ldg"]
+            groups = groups + [max(done, groups[-1] if groups else 0.0)]
+            pending = None
         if op.startswith("WARPGROUP.DEPBAR"):
             t = max(t, gsb)
         if op.startswith("BAR.SYNC"):
@@ -134,7 +163,21 @@ def critical_path(ins, lo, hi, lat) -> float:
         if x["rb"] != 7:
             sb[x["rb"]] = max(sb[x["rb"]], t + lat["read"])
         t += max(x["stall"], 1)
-    return t
+    st.update(t=t, sb=sb, hg_busy=hg_busy, gsb=gsb, groups=groups, pending=pending)
+    return t - state.get("t0", 0.0) if state is not None else t
+
+
+def loop_path(ins, lo, hi, lat, repeats=4) -> float:
+    """Cycles of one loop body in steady state with ``lat["cp_async"]``: the body replayed
+    ``repeats`` times, carrying the copies in flight from one iteration into the next; the last
+    iteration's cycles. Without it the body alone (critical_path)."""
+    if not lat.get("cp_async"):
+        return critical_path(ins, lo, hi, lat)
+    state = {}
+    for _ in range(repeats):
+        state["t0"] = state.get("t", 0.0)
+        cycles = critical_path(ins, lo, hi, lat, state)
+    return cycles
 
 
 def weighted(ins, lp, trips, fn):
@@ -273,7 +316,8 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
                 lp = loops(ins, labels)
                 tr = trips(name, ins, lp, launch.args, K=K, V=V, BT=BT, NT=NT)
                 per_warp = weighted(ins, lp, tr, lambda a, b: counts(ins, a, b))
-                path = weighted(ins, lp, tr, lambda a, b: critical_path(ins, a, b, lat))
+                path = weighted(ins, lp, tr, lambda a, b: (critical_path(ins, a, b, lat) if (a, b) == (0, len(ins))
+                                                           else loop_path(ins, a, b, lat)))
                 w, shared = launch.num_warps, compiled.metadata.shared
                 programs, occ = math.prod(g), occupancy(regs, w, compiled.metadata.shared)
                 waves = math.ceil(programs / (SMS * occ)) if occ else math.inf     # does not fit
@@ -298,11 +342,15 @@ def main(argv=None):
                         '(wy and state name the forward stages; wy_bwd and state_bwd the backward ones)')
     parser.add_argument("--latency", default="{}", help='model latencies, e.g. {"ldg": 600, "bar": 40}')
     parser.add_argument("--phases", default="bwd", help="compilecheck phases to profile, e.g. fwd,bwd")
+    parser.add_argument("--cp-async", action="store_true",
+                        help="model asynchronous copies (cp.async groups and their DEPBAR waits, loop bodies in steady "
+                             "state); off by default, as in the figures before 2026-11-30")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     B, T, H, HV, K, V = map(int, args.shape.split(","))
     rows = profile(args.specs.split(","), B=B, T=T, H=H, HV=HV, K=K, V=V, BT=args.chunk, dtype=args.dtype,
-                   overrides=json.loads(args.override), lat={**LAT, **json.loads(args.latency)},
+                   overrides=json.loads(args.override),
+                   lat={**LAT, **json.loads(args.latency), **({"cp_async": 1} if args.cp_async else {})},
                    phases=tuple(args.phases.split(",")))
     print("| spec | phase | kernel | tiles | grid | regs | spill | CTA/SM | instr | EX2 | MMA | LDG | STG | LDS | STS | BAR "
           "| SHFL | issue ms | model ms |")

@@ -66,7 +66,16 @@ def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: i
         # moved to the intra stage two stages fit at K=256 (88 KiB, gdngen check --compile-sm90).
         # Eight warps from BV=32 up: (1,32768,32,32) fwd+bwd 8.36 ms at BV=32/8 warps vs 8.57 at
         # BV=16/4 warps, and 8.58 vs 9.30 ms at BV=64 (benchmarks/profile_backward.py, NOTES.md).
-        return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": 2}
+        # Three stages for the scalar-decay / decay-free pass with 16-bit inputs up to K = 128: at two,
+        # Triton 3.6 issues a step's copies (q, k, w, dO, dv_intra, g) at the end of the step before
+        # and waits for all of them at the top of this one, so every step of the serial chain paid
+        # their whole load latency; three leave one step in between. sm_90 model (sass_profile.py
+        # --cp-async, GDN (1,32768,32,32), BV=32 / 8 warps): 1457 -> 1370 cycles per step at a
+        # 300-cycle load latency, 1959 -> 1373 at 800; 181 KiB shared (BV=64: 214 KiB), no spill.
+        # Vector decay (gla, kda) keeps two: its q / k reach the dots through registers (modelled
+        # slower at three), and K = 256 or float32 tiles would not fit three stages.
+        stages = 3 if not per_channel and dtype.itemsize <= 2 and pk <= 128 else 2
+        return {"BK": pk, "BV": bv, "num_warps": 8 if bv >= 32 else 4, "num_stages": stages}
     if stage == "intra" and per_channel:
         # the per-channel intra kernel builds its [BT, BT] scores once, level by level (most of its
         # work), and then loops over value tiles: one tile up to V = 128. Since the scores' key
