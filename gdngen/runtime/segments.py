@@ -84,8 +84,8 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     Segments need B == 1, no ``cu_seqlens``, the forward's kept ``states`` (``[NC, HV, K, V]``)
     and row-contiguous token-major inputs; anything else runs as one call. ``kept_tmat`` (the
     forward's chunks' T, ``[B, T, HV, BT]``, or None) is cut by tokens like the inputs. ``norm``
-    (normalised linear attention: ``(o_raw, z, zc)``, or None; passed on only when given): its first
-    two are cut by tokens, ``zc`` (one row per chunk) by chunks, like the states. Returns the backward's
+    (normalised linear attention: ``(z, zc)``, or None; passed on only when given): z is cut by
+    tokens, ``zc`` (one row per chunk) by chunks, like the states. Returns the backward's
     tuple (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); in segments dq .. dbeta are full-size
     buffers each segment wrote its tokens of, dh0 is the first segment's, and dA_log / ddt_bias
     the float32 per-segment sums added first segment first, cast to A_log's / dt_bias' dtype.
@@ -102,7 +102,7 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         return backward(do, dht, q, k, v, g, beta, **one_call)
     if do.stride(-1) != 1 or not do.is_contiguous():
         do = do.contiguous()            # a stride-0 o.sum() gradient: the backward would copy it anyway
-    tokens = (do, q, k, v, g, beta, kept_tmat) + (tuple(norm[:2]) if norm is not None else ())
+    tokens = (do, q, k, v, g, beta, kept_tmat) + (norm[:1] if norm is not None else ())
     if not all(x is None or x.is_contiguous() for x in tokens):
         return backward(do, dht, q, k, v, g, beta, **one_call)
 
@@ -126,7 +126,7 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         # that it is written; with ``states`` given the backward never reads its values
         start = initial_state if s == 0 else states[c0:c0 + 1]
         if norm is not None:
-            options["norm"] = (cut(norm[0]), cut(norm[1]), norm[2][c0:c1])
+            options["norm"] = (cut(norm[0]), norm[1][c0:c1])
         result = backward(cut(do), carry, cut(q), cut(k), cut(v), cut(g), cut(beta), initial_state=start,
                           states=states[c0:c1], kept_tmat=cut(kept_tmat), chunk_size=chunk_size, cu_seqlens=None, A_log=A_log,
                           dt_bias=dt_bias, out={name: cut(x) for name, x in out.items()}, tile_T=T, **options)
