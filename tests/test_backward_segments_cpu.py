@@ -100,6 +100,9 @@ CASES = {
     "simple_gla-gva": ("simple_gla", dict(T=200, H=1, HV=2, K=16, V=16)),
     "simple_gla-mha-no-dht": ("simple_gla", dict(T=200, H=2, HV=2, K=16, V=16, final_grad=False)),
     "linear_attn-mha": ("linear_attn", dict(T=200, H=2, HV=2, K=16, V=16, options=dict(normalize=False))),
+    # normalize=True: the chunk-start sums of phi(k) (one row per chunk) are cut like the states, z by tokens
+    "linear_attn-normalize-gva-elu-bt32": ("linear_attn", dict(T=200, H=1, HV=2, K=16, V=16, chunk_size=32,
+                                                               options=dict(normalize=True, feature_map="elu"))),
 }
 
 

@@ -77,13 +77,15 @@ def segment_bounds(chunks: int, segments: int) -> list[int]:
 
 def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v, g, beta, *, initial_state,
                              states, chunk_size: int, cu_seqlens=None, A_log=None, dt_bias=None, kept_tmat=None,
-                             **options):
+                             norm=None, **options):
     """``backward(do, dht, q, k, v, g, beta, ...)`` (a generated ``<op>_backward``) over the whole
     call, in ``segments`` time segments when they apply (see the module text), else in one call.
 
     Segments need B == 1, no ``cu_seqlens``, the forward's kept ``states`` (``[NC, HV, K, V]``)
     and row-contiguous token-major inputs; anything else runs as one call. ``kept_tmat`` (the
-    forward's chunks' T, ``[B, T, HV, BT]``, or None) is cut by tokens like the inputs. Returns the backward's
+    forward's chunks' T, ``[B, T, HV, BT]``, or None) is cut by tokens like the inputs. ``norm``
+    (normalised linear attention: ``(z, zc)``, or None; passed on only when given): z is cut by
+    tokens, ``zc`` (one row per chunk) by chunks, like the states. Returns the backward's
     tuple (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); in segments dq .. dbeta are full-size
     buffers each segment wrote its tokens of, dh0 is the first segment's, and dA_log / ddt_bias
     the float32 per-segment sums added first segment first, cast to A_log's / dt_bias' dtype.
@@ -92,13 +94,15 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     BT = chunk_size
     chunks = -(-T // BT)
     segments = min(segments, chunks)
+    if norm is not None:
+        options["norm"] = norm
     one_call = dict(initial_state=initial_state, states=states, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                     A_log=A_log, dt_bias=dt_bias, kept_tmat=kept_tmat, **options)
     if segments <= 1 or B != 1 or cu_seqlens is not None or states is None or states.shape[0] < chunks:
         return backward(do, dht, q, k, v, g, beta, **one_call)
     if do.stride(-1) != 1 or not do.is_contiguous():
         do = do.contiguous()            # a stride-0 o.sum() gradient: the backward would copy it anyway
-    tokens = (do, q, k, v, g, beta, kept_tmat)
+    tokens = (do, q, k, v, g, beta, kept_tmat) + (norm[:1] if norm is not None else ())
     if not all(x is None or x.is_contiguous() for x in tokens):
         return backward(do, dht, q, k, v, g, beta, **one_call)
 
@@ -121,6 +125,8 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         # every segment but the first needs its dh0 (the carry): a start state is passed only so
         # that it is written; with ``states`` given the backward never reads its values
         start = initial_state if s == 0 else states[c0:c0 + 1]
+        if norm is not None:
+            options["norm"] = (cut(norm[0]), norm[1][c0:c1])
         result = backward(cut(do), carry, cut(q), cut(k), cut(v), cut(g), cut(beta), initial_state=start,
                           states=states[c0:c1], kept_tmat=cut(kept_tmat), chunk_size=chunk_size, cu_seqlens=None, A_log=A_log,
                           dt_bias=dt_bias, out={name: cut(x) for name, x in out.items()}, tile_T=T, **options)
