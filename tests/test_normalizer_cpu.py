@@ -178,3 +178,20 @@ def test_compile_fullgraph_normalized_matches_eager(varlen):
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-5)
     for (pname, p), gr in zip(model.named_parameters(), eager):
         torch.testing.assert_close(p.grad, gr, rtol=1e-5, atol=1e-5, msg=lambda m: f"{pname}: {m}")
+
+
+def test_normalized_gradients_without_dq():
+    """q not differentiated: the chunk op's backward skips the normaliser's dq term (it is dq's alone)
+    and the normaliser op, on a detached q, still gives dk's term."""
+    mod = _module()
+    inputs = make_inputs(SPEC, B=1, T=70, H=1, HV=2, K=16, V=16, seed=5)
+    leaves = {n: inputs[n].clone().requires_grad_() for n in ("k", "v", "initial_state")}
+    o, _ = mod.chunk_linear_attn(**{**inputs, **leaves}, normalize=True, chunk_size=16)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(o, list(leaves.values()), do)
+    ref = {n: inputs[n].double().requires_grad_() for n in leaves}
+    args = {**inputs, **ref}
+    o_ref, _ = reference.run(SPEC, args.pop("q"), args.pop("k"), args.pop("v"), normalize=True, **args)
+    want = torch.autograd.grad(o_ref, list(ref.values()), do.double())
+    for name, a, b in zip(leaves, got, want):
+        assert rel_rmse(a, b) <= 1e-5, f"d{name}: {rel_rmse(a, b):.3e}"
