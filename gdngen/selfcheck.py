@@ -96,6 +96,35 @@ def make_inputs(spec: Spec, B=2, T=40, H=2, HV=4, K=16, V=16, *, dtype=torch.flo
     return {name: (x.to(device) if isinstance(x, torch.Tensor) else x) for name, x in out.items()}
 
 
+def gradient_errors(spec_name: str, options: dict, *, chunk_size: int = 64, dtype=torch.bfloat16, device="cpu",
+                    seed: int = 3, fused_gate: bool = False, beta_logits: bool = False, **shape) -> dict:
+    """Rel. RMSE of ``o`` and of every floating input's gradient (keyed by input name) of the generated
+    ``chunk_<spec>`` against autograd through the float64 chunked reference: inputs from
+    :func:`make_inputs` (``seed``, ``shape``), one random ``do`` / ``dht`` pair (seed ``seed + 1``).
+    The GPU tier's backward check and the bf16-emulation tests and scripts all measure this."""
+    import importlib
+    from gdngen.spec import load_spec
+    spec = load_spec(f"specs/{spec_name}.yaml")
+    module = importlib.import_module(f"generated.{spec_name}")
+    inputs = make_inputs(spec, dtype=dtype, device=device, seed=seed, fused_gate=fused_gate,
+                         beta_logits=beta_logits, **shape)
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    o, ht = getattr(module, spec.chunk_function)(**{**inputs, **leaves}, output_final_state=True,
+                                                  chunk_size=chunk_size, **options)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    do = torch.randn(o.shape, device=device, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device=device, generator=gen)
+    got = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
+
+    ref_leaves = {n: x.detach().double().requires_grad_(True) for n, x in leaves.items()}
+    ref_args = {**inputs, **ref_leaves}
+    positional = [ref_args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
+    ro, rht = reference.run(spec, *positional, form="chunked", output_final_state=True, **ref_args, **options)
+    want = torch.autograd.grad((ro, rht), list(ref_leaves.values()), (do.double(), dht.double()))
+    return {"o": rel_rmse(o, ro), **{n: rel_rmse(a, b) for n, a, b in zip(leaves, got, want)}}
+
+
 def reference_outputs(spec: Spec, inputs: dict, **options):
     """float64 reference (token recurrence) for the same call (its ``normalize`` defaults to False:
     pass the op's options explicitly)."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gdngen.bf16_emulation import patch_bf16_interpreter
-from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
+from gdngen.selfcheck import call, gradient_errors, make_inputs, reference_outputs, rel_rmse
 from gdngen.spec import load_spec
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
@@ -147,27 +147,6 @@ def test_split_bf16_matches_the_unsplit_call(bf16_interpreter):
     assert rel_rmse(o, o64) <= 1.01 * rel_rmse(o_plain, o64), (rel_rmse(o, o64), rel_rmse(o_plain, o64))    # measured: split 3.615e-3, plain 3.607e-3
 
 
-def _normalized_grad_errors(options, B=1, T=1024, H=2, HV=4, K=64, V=64):
-    """tests/test_backward_gpu.py::_check_grads for linear_attn on CPU (seed 3, do / dht seed 4):
-    rel. RMSE of dq, dk, dv, dh0 against autograd through the float64 chunked reference."""
-    from gdngen import reference
-    spec = load_spec("specs/linear_attn.yaml")
-    module = importlib.import_module("generated.linear_attn")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=3, B=B, T=T, H=H, HV=HV, K=K, V=V)
-    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
-              if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    o, ht = module.chunk_linear_attn(**{**inputs, **leaves}, output_final_state=True, chunk_size=64, **options)
-    gen = torch.Generator().manual_seed(4)
-    do, dht = torch.randn(o.shape, generator=gen).to(o.dtype), torch.randn(ht.shape, generator=gen)
-    got = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
-    ref_leaves = {n: x.detach().double().requires_grad_(True) for n, x in leaves.items()}
-    ref_args = {**inputs, **ref_leaves}
-    positional = [ref_args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
-    ro, rht = reference.run(spec, *positional, form="chunked", output_final_state=True, **ref_args, **options)
-    want = torch.autograd.grad((ro, rht), list(ref_leaves.values()), (do.double(), dht.double()))
-    return {n: rel_rmse(a, b) for n, a, b in zip(leaves, got, want)}
-
-
 @pytest.mark.parametrize("feature_map,dq_bound", [("identity", 5e-3), ("elu", 7.5e-3)])
 def test_normalized_linear_attn_bf16_dq(bf16_interpreter, feature_map, dq_bound):
     """Issues #4 / #7: normalize=True's bf16 dq. The main op's dq and the normaliser's nearly cancel
@@ -176,6 +155,6 @@ def test_normalized_linear_attn_bf16_dq(bf16_interpreter, feature_map, dq_bound)
     float32 inside the chunk backward, from a float32 recompute of c = dO . o: 3.8e-3 / 6.7e-3
     (elu+1's floor is ~5e-3 here from phi(k) = k + 1 rounded to bf16 in the forward's states)."""
     options = {"normalize": True} if feature_map == "identity" else {"normalize": True, "feature_map": feature_map}
-    errors = _normalized_grad_errors(options)
+    errors = gradient_errors("linear_attn", options, B=1, T=1024, H=2, HV=4, K=64, V=64)
     assert errors["q"] <= dq_bound, errors                       # the GPU tier's bar is 8e-3
     assert max(errors["k"], errors["v"], errors["initial_state"]) <= 4e-3, errors
