@@ -9,11 +9,11 @@ to $OUT/cp.jsonl as soon as it is measured.
     python benchmarks/bench_cp.py --mode split
 
 cp: every rank times the plain op on the whole sequence (the 1-GPU baseline, each on its own GPU),
-the op on an equal shard alone (the no-communication floor), then ``context_parallel`` with rank 0's
-share of the tokens weighted by each of ``--first-weights`` (rank 0 carries no state in and runs the
-plain op, the other ranks the widened transfer pass; the slowest rank's time counts). Forward at the full length; forward+backward at ``--bwd-tokens``
-(the backward runs the op's generated backward kernels through the local pass's graph, plus the
-state-sized backward exchange).
+the op on an equal shard alone (the no-communication floor), then ``context_parallel`` with each of
+``--transfers`` (auto: pipelined passes on two ranks for the delta rule; op: the widened transfer
+pass) and rank 0's share of the tokens weighted by each of ``--first-weights``, and for the
+pipeline striped shards of each of ``--pieces`` pieces per rank (the slowest rank's time counts). Forward at the full length; forward+backward at ``--bwd-tokens`` with each of
+``--bwd-first-weights``.
 Rows carry the bytes put through collectives per call and the error against the 1-GPU result.
 
 split: forward of ``split_sequence_forward`` at segments 1 (plain op), 2, 4, 8, 16 and 'auto' (the
@@ -103,10 +103,28 @@ def timed(fn, reps: int, warmup: int = 1, distributed: bool = False) -> float:
     return statistics.median(times) * 1e3
 
 
-def shard(x: dict, rank: int, world: int, sizes=None) -> dict:
-    sizes = sizes or [x["q"].shape[1] // world] * world
+def piece_of(t, rank: int, world: int, sizes=None, pieces: int = 1):
+    """This rank's part of a [B, T, ...] tensor: a contiguous slice (``sizes``) or striped pieces."""
+    if pieces > 1:
+        return torch.cat(t.chunk(world * pieces, dim=1)[rank::world], dim=1)
+    sizes = sizes or [t.shape[1] // world] * world
     start = sum(sizes[:rank])
-    return {n: (t[:, start:start + sizes[rank]] if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
+    return t[:, start:start + sizes[rank]]
+
+
+def shard(x: dict, rank: int, world: int, sizes=None, pieces: int = 1) -> dict:
+    return {n: (piece_of(t, rank, world, sizes, pieces) if n in ("q", "k", "v", "g", "beta") else t)
+            for n, t in x.items()}
+
+
+def layouts(args):
+    """(transfer, first weight, pieces) of every CP row: weights for contiguous shards, pieces for striped."""
+    rows = []
+    for transfer in args.transfers:
+        rows += [(transfer, w, 1) for w in args.first_weights]
+        if transfer in ("auto", "pipeline"):
+            rows += [(transfer, 1.0, n) for n in args.pieces if n > 1]
+    return rows
 
 
 def mode_cp(args) -> list:
@@ -132,24 +150,27 @@ def mode_cp(args) -> list:
         rows = [("1 GPU", one, 1, {"first_call_s": first_s})]
         local = shard(x, rank, world)
         rows.append((f"own 1/{world} alone", timed(lambda: fn(**local, output_final_state=True), args.reps), 1, {}))
-        for weight in args.first_weights:
-            sizes = shard_sizes(T, world, first_weight=weight)
-            local = shard(x, rank, world, sizes)
+        for transfer, weight, pieces in layouts(args):
+            sizes = shard_sizes(T, world, first_weight=weight) if pieces == 1 else None
+            local = shard(x, rank, world, sizes, pieces)
             start = time.perf_counter()
-            o_cp, h_cp = context_parallel(fn, **local, output_final_state=True)
+            o_cp, h_cp = context_parallel(fn, **local, output_final_state=True, transfer=transfer, pieces=pieces)
             sync()
             first_s = time.perf_counter() - start
-            offset = sum(sizes[:rank])
-            err = torch.tensor([rel_rmse(o_cp, o_ref[:, offset:offset + sizes[rank]]), rel_rmse(h_cp, h_ref)],
+            err = torch.tensor([rel_rmse(o_cp, piece_of(o_ref, rank, world, sizes, pieces)), rel_rmse(h_cp, h_ref)],
                                device=DEVICE)
             dist.all_reduce(err, op=dist.ReduceOp.MAX)
             del o_cp, h_cp
             parallel.COMM_BYTES.update(forward=0, backward=0)
-            context_parallel(fn, **local, output_final_state=True)
-            extra = dict(comm_bytes=parallel.COMM_BYTES["forward"], shard_sizes=sizes, first_weight=weight,
-                         err_o=err[0].item(), err_final=err[1].item(), first_call_s=first_s)
-            cp = timed(lambda: context_parallel(fn, **local, output_final_state=True), args.reps, distributed=True)
-            rows.append((f"CP {world} GPUs w={weight:g}", cp, world, extra))
+            context_parallel(fn, **local, output_final_state=True, transfer=transfer, pieces=pieces)
+            comm = torch.tensor([parallel.COMM_BYTES["forward"]], device=DEVICE, dtype=torch.float64)
+            dist.all_reduce(comm)                   # every rank's sends (P2P: only the sender counts)
+            extra = dict(comm_bytes=int(comm.item()), shard_sizes=sizes, first_weight=weight, transfer=transfer,
+                         pieces=pieces, err_o=err[0].item(), err_final=err[1].item(), first_call_s=first_s)
+            cp = timed(lambda: context_parallel(fn, **local, output_final_state=True, transfer=transfer,
+                                                pieces=pieces), args.reps, distributed=True)
+            label = f"w={weight:g}" if pieces == 1 else f"pieces={pieces}"
+            rows.append((f"CP {world} {transfer} {label}", cp, world, extra))
     for label, ms, gpus, extra in rows:
         row = dict(base, mode="cp", pass_="fwd", impl=label, gpus=gpus, ms=ms, tokens_per_s=B * T / (ms * 1e-3),
                    speedup=one / ms, **extra)
@@ -173,43 +194,53 @@ def mode_cp(args) -> list:
                 o, h = fn(**x, output_final_state=True)
                 ((o * w).float().sum() + h.sum()).backward()
 
-            leaves = {n: t.detach().chunk(world, dim=1)[rank].clone().requires_grad_()
-                      if n in ("q", "k", "v", "g", "beta") else t.detach().clone().requires_grad_()
-                      for n, t in x.items()}
-            w_local = w.chunk(world, dim=1)[rank]
-
-            def sharded():
-                for t in leaves.values():
-                    t.grad = None
-                o, h = context_parallel(fn, **leaves, output_final_state=True)
-                loss = (o * w_local).float().sum()
-                if rank == 0:
-                    loss = loss + h.sum()
-                loss.backward()
-
             single()
-            sharded()
-            grad_err = 0.0
-            for n, t in x.items():
-                mine = leaves[n].grad
-                if n == "initial_state":
-                    mine = mine.clone()
-                    dist.all_reduce(mine)
-                    ref = t.grad
-                else:
-                    ref = t.grad.chunk(world, dim=1)[rank]
-                grad_err = max(grad_err, rel_rmse(mine, ref))
-            err = torch.tensor([grad_err], device=DEVICE)
-            dist.all_reduce(err, op=dist.ReduceOp.MAX)
-            parallel.COMM_BYTES.update(forward=0, backward=0)
-            sharded()
-            comm = parallel.COMM_BYTES["forward"] + parallel.COMM_BYTES["backward"]
             one = timed(single, args.bwd_reps, warmup=0)
-            cp = timed(sharded, args.bwd_reps, warmup=0, distributed=True)
-            for label, ms, gpus in (("1 GPU", one, 1), (f"CP {world} GPUs", cp, world)):
-                row = dict(base, T=Tb, mode="cp", pass_="fwd+bwd", impl=label, gpus=gpus, ms=ms,
-                           tokens_per_s=B * Tb / (ms * 1e-3), speedup=one / ms, comm_bytes=comm if gpus > 1 else 0,
-                           **({"err_grads": err.item()} if gpus > 1 else {}))
+            row = dict(base, T=Tb, mode="cp", pass_="fwd+bwd", impl="1 GPU", gpus=1, ms=one,
+                       tokens_per_s=B * Tb / (one * 1e-3), speedup=1.0, comm_bytes=0)
+            log(row, rank)
+            table.append(row)
+            for transfer, weight, pieces in layouts(argparse.Namespace(**dict(vars(args),
+                                                                              first_weights=args.bwd_first_weights))):
+                sizes = shard_sizes(Tb, world, first_weight=weight) if pieces == 1 else None
+                leaves = {n: piece_of(t.detach(), rank, world, sizes, pieces).clone().requires_grad_()
+                          if n in ("q", "k", "v", "g", "beta") else t.detach().clone().requires_grad_()
+                          for n, t in x.items()}
+                w_local = piece_of(w, rank, world, sizes, pieces)
+
+                def sharded():
+                    for t in leaves.values():
+                        t.grad = None
+                    o, h = context_parallel(fn, **leaves, output_final_state=True, transfer=transfer, pieces=pieces)
+                    loss = (o * w_local).float().sum()
+                    if rank == 0:
+                        loss = loss + h.sum()
+                    loss.backward()
+
+                sharded()
+                grad_err = 0.0
+                for n, t in x.items():
+                    mine = leaves[n].grad
+                    if n == "initial_state":
+                        mine = mine.clone()
+                        dist.all_reduce(mine)
+                        ref = t.grad
+                    else:
+                        ref = piece_of(t.grad, rank, world, sizes, pieces)
+                    grad_err = max(grad_err, rel_rmse(mine, ref))
+                err = torch.tensor([grad_err], device=DEVICE)
+                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                parallel.COMM_BYTES.update(forward=0, backward=0)
+                sharded()
+                comm = torch.tensor([parallel.COMM_BYTES["forward"] + parallel.COMM_BYTES["backward"]],
+                                    device=DEVICE, dtype=torch.float64)
+                dist.all_reduce(comm)
+                cp = timed(sharded, args.bwd_reps, warmup=0, distributed=True)
+                label = f"w={weight:g}" if pieces == 1 else f"pieces={pieces}"
+                row = dict(base, T=Tb, mode="cp", pass_="fwd+bwd", impl=f"CP {world} {transfer} {label}",
+                           gpus=world, ms=cp, tokens_per_s=B * Tb / (cp * 1e-3), speedup=one / cp,
+                           comm_bytes=int(comm.item()), err_grads=err.item(), transfer=transfer,
+                           shard_sizes=sizes, first_weight=weight, pieces=pieces)
                 log(row, rank)
                 table.append(row)
         except torch.cuda.OutOfMemoryError as exc:
@@ -252,13 +283,13 @@ def print_table(rows: list) -> None:
     if not rows:
         return
     print()
-    print(f"{'mode':6} {'pass':8} {'shape':24} {'impl / segments':18} {'ms':>9} {'Mtok/s':>8} {'x':>6} "
+    print(f"{'mode':6} {'pass':8} {'shape':24} {'impl / segments':26} {'ms':>9} {'Mtok/s':>8} {'x':>6} "
           f"{'comm MB':>8} {'err o':>9} {'err h/grad':>10}")
     for r in rows:
         shape = f"({r['B']},{r['T']},{r['H']},{r['HV']})"
         what = r.get("impl", r.get("segments"))
         err_other = r.get("err_final", r.get("err_grads", float("nan")))
-        print(f"{r['mode']:6} {r['pass_']:8} {shape:24} {str(what):18} {r['ms']:9.2f} {r['tokens_per_s'] / 1e6:8.2f} "
+        print(f"{r['mode']:6} {r['pass_']:8} {shape:24} {str(what):26} {r['ms']:9.2f} {r['tokens_per_s'] / 1e6:8.2f} "
               f"{r['speedup']:6.2f} {r.get('comm_bytes', 0) / 1e6:8.2f} {r.get('err_o', float('nan')):9.2e} "
               f"{err_other:10.2e}")
 
@@ -273,8 +304,14 @@ def main():
     parser.add_argument("--bwd-tokens", type=int, default=None,
                         help="cp: sequence length of the forward+backward rows (default: --tokens, the issue's "
                              "262144; 0: skip them)")
-    parser.add_argument("--first-weights", default="1,1.3,1.6,1.9",
+    parser.add_argument("--transfers", default="auto",
+                        help="cp: context_parallel transfer schemes, comma-separated (auto, pipeline, op)")
+    parser.add_argument("--first-weights", default="0.75,1",
                         help="cp: rank 0's share of the tokens relative to each other rank's, one CP row each")
+    parser.add_argument("--bwd-first-weights", default="0.75,1",
+                        help="cp: the same for the forward+backward rows")
+    parser.add_argument("--pieces", default="4,8",
+                        help="cp: striped layouts (pieces per rank) timed with the pipelined transfer")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per row (default 10; --device cpu: 1)")
     parser.add_argument("--bwd-reps", type=int, default=5)
     parser.add_argument("--split-shapes", default=None,
@@ -295,6 +332,9 @@ def main():
         args.bwd_tokens = args.tokens
     args.split_shapes = [tuple(int(n) for n in case.split(",")) for case in args.split_shapes.split(";")]
     args.first_weights = [float(w) for w in args.first_weights.split(",")]
+    args.bwd_first_weights = [float(w) for w in args.bwd_first_weights.split(",")]
+    args.transfers = args.transfers.split(",")
+    args.pieces = [int(n) for n in args.pieces.split(",")]
     global DEVICE, DTYPE, K, V
     DEVICE, K, V = args.device, args.head_dim, args.head_dim
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32     # the interpreter mishandles bf16 dots

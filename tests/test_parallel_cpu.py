@@ -28,11 +28,18 @@ REPLICATED = ("initial_state", "A_log", "dt_bias")     # every rank passes these
 # varlen batch; h0=False: no initial state); options go to the op (output_final_state defaults to
 # True here); shards are equal unless sizes are given.
 CASES_2 = [
-    ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto", [40, 24]),
+    ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "auto", [40, 24]),         # auto: pipeline
+    ("gated_delta_rule", dict(B=2, T=64, lengths=None), {}, "op", [40, 24]),
     ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "auto", [64, 32]),
+    ("gated_delta_rule", dict(lengths=[20, 50, 7, 19]), {}, "op", [64, 32]),
     ("gated_delta_rule", dict(B=1, T=48, lengths=None, fused_gate=True, beta_logits=True),
      dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
           allow_neg_eigval=True), "auto"),
+    ("delta_rule", dict(lengths=[64, 32], h0=False), {}, "pipeline", [64, 32]),        # ends at the boundary
+    ("simple_gla", dict(lengths=[40, 9, 31, 16]), {}, "pipeline"),
+    # striped: 3 pieces per rank, 6 in all; dense with initial states, and varlen across pieces
+    ("gated_delta_rule", dict(B=2, T=96, lengths=None), {}, "auto", 3),
+    ("gated_delta_rule", dict(lengths=[20, 50, 7, 0, 19]), {}, "pipeline", 3),
     ("simple_gla", dict(lengths=[40, 9, 31, 16]), {}, "auto"),
     ("kda", dict(lengths=[30, 34]), {}, "auto"),
     ("gla", dict(B=1, T=64, lengths=None), {}, "auto"),
@@ -40,6 +47,9 @@ CASES_2 = [
 # 4 ranks of 12 tokens: the 35-token sequence crosses three boundaries; one sequence is empty
 CASES_4 = [
     ("gated_delta_rule", dict(lengths=[3, 35, 0, 10]), {}, "auto"),
+    ("gated_delta_rule", dict(lengths=[3, 35, 0, 10]), {}, "pipeline"),
+    ("gated_delta_rule", dict(B=2, T=48, lengths=None), {}, "pipeline"),
+    ("gated_delta_rule", dict(lengths=[3, 35, 0, 10]), {}, "pipeline", 2),
     ("simple_gla", dict(B=2, T=32, lengths=None, h0=False), dict(output_final_state=False), "auto"),
 ]
 
@@ -85,14 +95,29 @@ def _single(case):
     return o.detach(), final, _grads(leaves)
 
 
+def _layout(case):
+    """shard_tokens keywords of a case: shard sizes (a list), pieces per rank (an int), or equal shards."""
+    shards = case[4] if len(case) > 4 else None
+    return {"pieces": shards} if isinstance(shards, int) else {"sizes": shards}
+
+
+def _unshard(parts, world, pieces):
+    """The full-length tensor from every rank's part (dim 1), contiguous or striped."""
+    if pieces == 1:
+        return torch.cat(parts, dim=1)
+    cut = [part.chunk(pieces, dim=1) for part in parts]
+    return torch.cat([cut[r][j] for j in range(pieces) for r in range(world)], dim=1)
+
+
 def _sharded(case, rank, world):
     """This rank's part of the same loss through context_parallel (the final-state term on rank 0 only)."""
     x, (w_o, w_f) = _case_inputs(case)
-    sizes = case[4] if len(case) > 4 else None
-    x = {k: (shard_tokens(v, sizes=sizes) if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
+    layout = _layout(case)
+    x = {k: (shard_tokens(v, **layout) if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
     leaves = _leaves(x)
-    o, final = context_parallel(_chunk_fn(case[0]), **leaves, transfer=case[3], **_options(case))
-    loss = (o * shard_tokens(w_o, sizes=sizes)).sum()
+    o, final = context_parallel(_chunk_fn(case[0]), **leaves, transfer=case[3], pieces=layout.get("pieces", 1),
+                                **_options(case))
+    loss = (o * shard_tokens(w_o, **layout)).sum()
     if rank == 0 and final is not None:
         loss = loss + (final * w_f).sum()
     loss.backward()
@@ -100,11 +125,14 @@ def _sharded(case, rank, world):
 
 
 def _worker(rank, world, store, cases, out_dir):
+    from gdngen.parallel.pipeline import JOIN_COPIES
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for i, case in enumerate(cases):
             torch.save(_sharded(case, rank, world), os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
+        if any(JOIN_COPIES.values()):      # striped B=1 pieces write into the rank's tensors in place
+            raise AssertionError(f"pieces joined by copies: {JOIN_COPIES}")
         if world == 2:
             _worker_checks(rank)
         torch.save("done", os.path.join(out_dir, f"checks_rank{rank}.pt"))
@@ -114,21 +142,32 @@ def _worker(rank, world, store, cases, out_dir):
 
 def _worker_checks(rank):
     """Inference (no graph kept), bad arguments and the byte counter, inside a live 2-rank group."""
-    x, _ = _case_inputs(CASES_2[1])
+    x, _ = _case_inputs(("gated_delta_rule", dict(lengths=[20, 50, 7, 19])))
     fn = _chunk_fn("gated_delta_rule")
     shards = {k: (v.chunk(2, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
-    parallel.COMM_BYTES["forward"] = 0
-    with torch.no_grad():
-        o, final = context_parallel(fn, **shards, output_final_state=True, chunk_size=CHUNK)
-    # all_gathers of the shard lengths (int64) and of [1, HV, K, V + K] float32 from each of 2 ranks,
-    # one all_reduce of the final states [N, HV, K, V]
-    expected = 2 * 8 + 2 * 2 * 16 * 32 * 4 + 4 * 2 * 16 * 16 * 4
-    if parallel.COMM_BYTES["forward"] != expected or o.requires_grad:
-        raise AssertionError(f"bytes {parallel.COMM_BYTES['forward']} != {expected}")
     o_ref, final_ref = fn(**x, output_final_state=True, chunk_size=CHUNK)
-    if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
-        raise AssertionError("inference call differs from one process")
+    # both schemes: all_gathers of the shard lengths (int64) from each of 2 ranks, one all_reduce of
+    # the final states [N, HV, K, V]; widened: an all_gather of [1, HV, K, V + K] float32 from each
+    # rank; pipeline: rank 0 sends the crossing sequence's [1, HV, K, V] float32 state
+    common = 2 * 8 + 4 * 2 * 16 * 16 * 4
+    for transfer, expected in (("op", common + 2 * 2 * 16 * 32 * 4),
+                               ("pipeline", common + (2 * 16 * 16 * 4 if rank == 0 else 0))):
+        parallel.COMM_BYTES["forward"] = 0
+        with torch.no_grad():
+            o, final = context_parallel(fn, **shards, output_final_state=True, chunk_size=CHUNK, transfer=transfer)
+        if parallel.COMM_BYTES["forward"] != expected or o.requires_grad:
+            raise AssertionError(f"{transfer}: bytes {parallel.COMM_BYTES['forward']} != {expected}")
+        if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
+            raise AssertionError(f"{transfer}: inference call differs from one process")
     _check_cp_kernel_path(rank)
+    for kwargs in (dict(transfer="op", pieces=2), dict(pieces=0), dict(transfer="pipeline", pieces=5)):
+        try:        # striped shards only through the pipeline; 48 tokens per rank do not make 5 pieces
+            context_parallel(fn, **shards, chunk_size=CHUNK, **kwargs)
+        except ValueError as exc:
+            if "pieces" not in str(exc):
+                raise
+        else:
+            raise AssertionError(f"{kwargs} was accepted")
     bad = dict(shards, cu_seqlens=torch.tensor([0, 20, 40], dtype=torch.int32))   # ends at 40, not 96
     try:
         context_parallel(fn, **bad)
@@ -141,30 +180,32 @@ def _worker_checks(rank):
 
 def _check_cp_kernel_path(rank):
     """Every rank's op calls take the 1-process call's kernel path (tiles.store_wu by N * HV): 4 packed
-    sequences x HV=8 take the T path, while a shard's 1 or 2 local sequences alone would take W/U
-    (the paths round bf16 differently: 2.66e-3 apart at (1,32768,2,8) on the H200)."""
+    sequences x HV=8 take the T path, while a shard's 1 to 3 local sequences alone would take W/U
+    (the paths round bf16 differently: 2.66e-3 apart at (1,32768,2,8) on the H200). Both schemes."""
     import generated.gated_delta_rule as gdn
     from gdngen.runtime.tiles import store_wu
-    seen = []
-
-    def spy(spec_name, **kwargs):
-        seen.append((kwargs["N"], store_wu(spec_name, **kwargs)))
-        return seen[-1][1]
     x = make_inputs(gdn.SPEC, H=2, HV=8, K=16, V=16, seed=4, lengths=[20, 50, 7, 19])
     shards = {k: (v.chunk(2, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
-    real, gdn.store_wu = gdn.store_wu, spy
-    try:
-        with torch.no_grad():
-            o, final = context_parallel(gdn.chunk_gated_delta_rule, **shards, output_final_state=True, chunk_size=CHUNK)
-    finally:
-        gdn.store_wu = real
-    expected = store_wu("gated_delta_rule", N=4, HV=8)
-    local_N = {N for N, _ in seen}
-    if expected or not seen or any(d != expected for _, d in seen) or not local_N & {1, 2}:
-        raise AssertionError(f"rank {rank}: store_wu decisions {seen}, the 1-process call's: {expected}")
     o_ref, final_ref = gdn.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=CHUNK)
-    if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
-        raise AssertionError("HV=8 varlen call differs from one process")
+    expected = store_wu("gated_delta_rule", N=4, HV=8)
+    for transfer in ("op", "pipeline"):
+        seen = []
+
+        def spy(spec_name, **kwargs):
+            seen.append((kwargs["N"], store_wu(spec_name, **kwargs)))
+            return seen[-1][1]
+        real, gdn.store_wu = gdn.store_wu, spy
+        try:
+            with torch.no_grad():
+                o, final = context_parallel(gdn.chunk_gated_delta_rule, **shards, output_final_state=True,
+                                            chunk_size=CHUNK, transfer=transfer)
+        finally:
+            gdn.store_wu = real
+        local_N = {N for N, _ in seen}
+        if expected or not seen or any(d != expected for _, d in seen) or not local_N & {1, 2, 3}:
+            raise AssertionError(f"rank {rank} {transfer}: store_wu decisions {seen}, the 1-process call's: {expected}")
+        if rel_rmse(o, o_ref.chunk(2, dim=1)[rank]) > TOL or rel_rmse(final, final_ref) > TOL:
+            raise AssertionError(f"{transfer}: HV=8 varlen call differs from one process")
 
 
 def _run_group(tmp_path, world, cases):
@@ -175,8 +216,9 @@ def _run_group(tmp_path, world, cases):
     for i, case in enumerate(cases):
         o_ref, final_ref, grads_ref = expected[i]
         results = [torch.load(os.path.join(out_dir, f"case{i}_rank{r}.pt")) for r in range(world)]
-        label = f"{case[0]} {case[1]} {case[3]}"
-        o = torch.cat([r[0] for r in results], dim=1)
+        label = f"{case[0]} {case[1]} {case[3]} {_layout(case)}"
+        pieces = _layout(case).get("pieces") or 1
+        o = _unshard([r[0] for r in results], world, pieces)
         assert rel_rmse(o, o_ref) <= TOL, (label, "o", rel_rmse(o, o_ref))
         for r, result in enumerate(results):     # the same final states on every rank
             if final_ref is None:
@@ -186,7 +228,7 @@ def _run_group(tmp_path, world, cases):
         assert set(results[0][2]) == set(grads_ref), (label, set(results[0][2]), set(grads_ref))
         for name, ref in grads_ref.items():
             parts = [r[2][name] for r in results]
-            got = sum(parts) if name in REPLICATED else torch.cat(parts, dim=1)
+            got = sum(parts) if name in REPLICATED else _unshard(parts, world, pieces)
             assert rel_rmse(got, ref) <= TOL, (label, "d" + name, rel_rmse(got, ref))
     for r in range(world):
         assert os.path.exists(os.path.join(out_dir, f"checks_rank{r}.pt"))

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from gdngen import reference
-from gdngen.parallel import context_parallel, split_sequence_forward
+from gdngen.parallel import context_parallel, shard_tokens, split_sequence_forward
 from gdngen.selfcheck import rel_rmse
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +82,7 @@ def test_split_sequence_backward_gpu():
         assert rel_rmse(grads[1][n], grads[0][n]) <= 1e-2, n
 
 
-def _cp_worker(rank, store):
+def _cp_worker(rank, store, transfer, pieces):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
@@ -95,31 +95,33 @@ def _cp_worker(rank, store):
         ((o_plain * w).float().sum() + final_plain.sum()).backward()
         plain_grads = {n: t.grad for n, t in leaves.items()}
 
-        shards = {n: (t.chunk(2, dim=1)[rank] if n != "initial_state" else t).detach().clone().requires_grad_()
+        shards = {n: (shard_tokens(t, pieces=pieces) if n != "initial_state" else t).detach().clone().requires_grad_()
                   for n, t in x.items()}
-        o, final = context_parallel(fn, **shards, output_final_state=True)
-        loss = (o * w.chunk(2, dim=1)[rank]).float().sum()
+        o, final = context_parallel(fn, **shards, output_final_state=True, transfer=transfer, pieces=pieces)
+        loss = (o * shard_tokens(w, pieces=pieces)).float().sum()
         if rank == 1:
             loss = loss + final.sum()
         loss.backward()
 
         o_full = [torch.empty_like(o) for _ in range(2)]
         dist.all_gather(o_full, o.detach().contiguous())
-        _check_forward(torch.cat(o_full, dim=1), final.detach(), o_plain.detach(), final_plain.detach(),
-                       _reference(module, x))
+        cut = [part.chunk(pieces, dim=1) for part in o_full]          # back to sequence order
+        o_full = torch.cat([cut[r][j] for j in range(pieces) for r in range(2)], dim=1)
+        _check_forward(o_full, final.detach(), o_plain.detach(), final_plain.detach(), _reference(module, x))
         for n, t in shards.items():
             grad = t.grad
             if n == "initial_state":
                 dist.all_reduce(grad)
                 expected = plain_grads[n]
             else:
-                expected = plain_grads[n].chunk(2, dim=1)[rank]
+                expected = shard_tokens(plain_grads[n], pieces=pieces)
             assert rel_rmse(grad, expected) <= 1e-2, (n, rel_rmse(grad, expected))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the 2-GPU machine)")
-def test_context_parallel_two_gpus(tmp_path):
+@pytest.mark.parametrize("transfer, pieces", [("pipeline", 1), ("pipeline", 4), ("op", 1)])
+def test_context_parallel_two_gpus(tmp_path, transfer, pieces):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(_cp_worker, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+    mp.spawn(_cp_worker, args=(str(tmp_path / "store"), transfer, pieces), nprocs=2, join=True)

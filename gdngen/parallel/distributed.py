@@ -7,8 +7,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from gdngen.parallel.local import (_Call, _Layout, _Pass, _check_transfer, _host_offsets, _local_pass,
+from gdngen.parallel.local import (_TRANSFERS, _Call, _Layout, _Pass, _check_transfer, _host_offsets, _local_pass,
                                    _normalized, _packed_piece)
+from gdngen.parallel.pipeline import piece_plan, pipelined_call
 
 
 #: Bytes of state tensors this process has put through collectives (the size of every all-gathered
@@ -48,6 +49,19 @@ def _shard_starts(T: int, group, world: int, device) -> list:
     return [sum(lengths[:r]) for r in range(world + 1)]
 
 
+def _global_offsets(call: _Call, group, world: int):
+    """(the packed batch's global cu_seqlens, every rank's first token) of a varlen call, checked."""
+    B, T = call.shape[:2]
+    if B != 1:
+        raise ValueError(f"cu_seqlens: varlen inputs are packed as B=1, got q of shape {tuple(call.named['q'].shape)}")
+    offsets = _host_offsets(call.named["cu_seqlens"])
+    starts = _shard_starts(T, group, world, call.named["q"].device)
+    if offsets[-1] != starts[-1]:
+        raise ValueError(f"cu_seqlens: the global offsets end at {offsets[-1]}, but the {world} ranks' shards hold "
+                         f"{starts[-1]} tokens; pass the global cu_seqlens of the packed batch on every rank")
+    return offsets, starts
+
+
 def _rank_plan(call: _Call, rank: int, world: int, group=None) -> _RankPlan:
     B, T, H, HV, K, V = call.shape
     has_init = call.named["initial_state"] is not None
@@ -57,13 +71,7 @@ def _rank_plan(call: _Call, rank: int, world: int, group=None) -> _RankPlan:
                          [b if (rank == 0 and has_init) else -1 for b in range(B)])
         owned = [(b, b) for b in range(B)] if rank == world - 1 else []
         return _RankPlan(rank, world, layout, list(range(B)), owned, B)
-    if B != 1:
-        raise ValueError(f"cu_seqlens: varlen inputs are packed as B=1, got q of shape {tuple(call.named['q'].shape)}")
-    offsets = _host_offsets(cu_seqlens)
-    starts = _shard_starts(T, group, world, call.named["q"].device)
-    if offsets[-1] != starts[-1]:
-        raise ValueError(f"cu_seqlens: the global offsets end at {offsets[-1]}, but the {world} ranks' shards hold "
-                         f"{starts[-1]} tokens; pass the global cu_seqlens of the packed batch on every rank")
+    offsets, starts = _global_offsets(call, group, world)
     start = starts[rank]
     piece = _packed_piece(offsets, start, start + T, has_init)
     if piece.layout.count == 0:
@@ -180,6 +188,29 @@ class _ContextParallel(torch.autograd.Function):
         return (None, None, None, None, None, None, *result)
 
 
+def resolve_transfer(call: _Call, transfer: str, world: int, pieces: int = 1) -> str:
+    """The scheme a ``transfer`` choice runs on ``world`` ranks: 'closed_form', 'op' or 'pipeline'.
+
+    'auto': pipelined passes for striped shards (``pieces > 1``); otherwise the closed form where
+    the spec has one (the additive family), pipelined passes on two ranks (the widened pass costs
+    about twice the plain one there: measured in ``benchmarks/bench_cp.py``) and the widened op
+    pass on more (contiguous shards' state passes run one rank after another, so their share of
+    the time does not shrink with the ranks).
+    """
+    if not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1:
+        raise ValueError(f"pieces: expected a positive int, got {pieces!r}")
+    if pieces > 1 and transfer not in ("auto", "pipeline"):
+        raise ValueError(f"pieces: striped shards ({pieces} pieces per rank) run with transfer='pipeline' "
+                         f"(or 'auto'), not {transfer!r}")
+    if transfer != "auto":
+        return transfer
+    if pieces > 1:
+        return "pipeline"
+    if call.closed_form_decay() is not None:
+        return "closed_form"
+    return "pipeline" if world == 2 else "op"
+
+
 def _default_group(group):
     dist = torch.distributed
     if not dist.is_available() or not dist.is_initialized():
@@ -188,14 +219,18 @@ def _default_group(group):
     return group if group is not None else dist.group.WORLD
 
 
-def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **kwargs):
+def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", pieces: int = 1, **kwargs):
     """Run a chunk op on one shard of the token dimension per rank of ``group``, exactly.
 
     Call it on every rank of ``group`` with the same arguments as ``fn`` (a generated
     ``chunk_<name>``, e.g. ``generated.gated_delta_rule.chunk_gated_delta_rule``), except that the
     per-token tensors (q, k, v, g, beta) hold this rank's contiguous slice of the sequence dim,
     in rank order (see :func:`shard_tokens`; shards may differ in length, e.g. :func:`shard_sizes`
-    gives rank 0, which runs the plain op, a larger share). Every rank must pass the same
+    gives rank 0, which runs the plain op, a larger share). With ``pieces = n > 1`` the shards are
+    striped instead: the sequence is cut into ``n * world`` equal pieces and this rank's tensors
+    hold pieces ``rank, rank + world, ...`` concatenated (``shard_tokens(x, pieces=n)``; outputs
+    come back in the same layout). That keeps every rank busy while another runs its state pass:
+    the fastest layout for the delta family (:mod:`gdngen.parallel.pipeline`). Every rank must pass the same
     ``initial_state`` (the whole batch's), options and, for varlen, the global ``cu_seqlens`` of the
     packed batch (B = 1; the shards' lengths are all-gathered to place them). Sequences may cross
     any number of shard boundaries; only the sequence crossing a boundary carries state across it.
@@ -211,25 +246,43 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", **
     the loss on any subset of ranks (its gradient is summed over the group). Every rank must
     backpropagate through the call (it holds collectives), or none.
 
-    ``transfer``: 'auto' (default) uses the closed-form transition for the additive family and the
-    op's widened pass otherwise; 'op' always uses the op; 'closed_form' insists on the closed form.
-    Communication per call: one all_gather of ``[P, HV, K, V + K]`` float32 (P = B, or 1 for varlen;
-    varlen adds one of the shard lengths) and, with ``output_final_state``, one all_reduce of the
-    final states; in backward one all_gather of ``[P, HV, K, V]`` and the all_reduce again.
+    ``transfer``: 'auto' (default) uses the closed-form transition for the additive family, and
+    otherwise pipelined passes on two ranks and the op's widened pass on more (:func:`resolve_transfer`);
+    'op' always uses the widened pass; 'closed_form' insists on the closed form; 'pipeline' runs
+    every rank's op at its normal width, each state pass waiting for the previous rank's end state
+    (and each reverse state pass for the next rank's start-state gradient), everything else in
+    the op overlapping them (:mod:`gdngen.parallel.pipeline`).
+    Communication per call: widened and closed form, one all_gather of ``[P, HV, K, V + K]``
+    float32 (P = B, or 1 for varlen; varlen adds one of the shard lengths) and, with
+    ``output_final_state``, one all_reduce of the final states; in backward one all_gather of
+    ``[P, HV, K, V]`` and the all_reduce again. Pipeline: ``[P, HV, K, V]`` float32 sent once across
+    each boundary a sequence crosses, each way, plus the same all_reduces.
     """
     call = _Call.bind(fn, args, kwargs)
-    _check_transfer(call, transfer)
+    _check_transfer(call, transfer, _TRANSFERS + ("pipeline",))
     group = _default_group(group)
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
+    scheme = resolve_transfer(call, transfer, world, pieces)
     if world == 1:
         return call.run()
     call, finish = _normalized(call)
-    plan = _rank_plan(call, rank, world, group)
     names = [n for n, x in call.named.items() if isinstance(x, Tensor) and n != "cu_seqlens"]
     tensors = [call.named[n] for n in names]
     needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    o, final = _ContextParallel.apply(call, plan, group, transfer, names, needs_graph, *tensors)
+    if scheme == "pipeline":
+        B, T = call.shape[:2]
+        if call.named["cu_seqlens"] is None:
+            offsets, starts, N = None, [r * T for r in range(world + 1)], B
+        else:
+            offsets, starts = _global_offsets(call, group, world)
+            N = len(offsets) - 1
+        plan = piece_plan(B, T, rank, world, pieces, call.named["initial_state"] is not None, offsets, starts)
+        o, final = pipelined_call(call, plan, N, group, names, tensors, needs_graph, COMM_BYTES,
+                                  lambda x, direction: _all_reduce(x, group, direction))
+    else:
+        plan = _rank_plan(call, rank, world, group)
+        o, final = _ContextParallel.apply(call, plan, group, transfer, names, needs_graph, *tensors)
     final = final if call.named["output_final_state"] else None
     return finish(o, final) if finish else (o, final)
 
@@ -259,16 +312,30 @@ def shard_sizes(T: int, world: int, *, first_weight: float = 1.0, multiple: int 
     return sizes + [T - taken]
 
 
-def shard_tokens(x: Optional[Tensor], group=None, dim: int = 1, sizes: Optional[list] = None) -> Optional[Tensor]:
-    """This rank's contiguous slice of ``x`` along ``dim`` (the token dim of ``[B, T, ...]`` tensors).
+def shard_tokens(x: Optional[Tensor], group=None, dim: int = 1, sizes: Optional[list] = None,
+                 pieces: int = 1) -> Optional[Tensor]:
+    """This rank's share of ``x`` along ``dim`` (the token dim of ``[B, T, ...]`` tensors).
 
-    Equal slices by default; ``sizes`` (one count per rank, e.g. from :func:`shard_sizes`) otherwise.
+    A contiguous slice: equal slices by default, ``sizes`` (one count per rank, e.g. from
+    :func:`shard_sizes`) otherwise. ``pieces = n > 1``: striped, for ``context_parallel(...,
+    pieces=n)`` - ``x`` is cut into ``n * world`` equal pieces and this rank gets pieces ``rank,
+    rank + world, ...`` concatenated (a copy). The same call on a full-length output gives the
+    part of it this rank's outputs hold.
     """
     if x is None:
         return None
     group = _default_group(group)
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
+    if not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1:
+        raise ValueError(f"pieces: expected a positive int, got {pieces!r}")
+    if pieces > 1:
+        if sizes is not None:
+            raise ValueError("sizes, pieces: striped shards are equal; pass one of them")
+        if x.shape[dim] % (world * pieces):
+            raise ValueError(f"x: dim {dim} of shape {tuple(x.shape)} does not split into {world * pieces} "
+                             f"equal pieces ({pieces} per rank)")
+        return torch.cat(x.chunk(world * pieces, dim=dim)[rank::world], dim=dim)
     if sizes is None:
         if x.shape[dim] % world:
             raise ValueError(f"x: dim {dim} of shape {tuple(x.shape)} does not split into {world} equal shards")

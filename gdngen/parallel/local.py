@@ -105,9 +105,9 @@ class _Call:
         return decay if decay in ("none", "scalar", "vector") else None
 
 
-def _check_transfer(call: _Call, transfer: str) -> None:
-    if transfer not in _TRANSFERS:
-        raise ValueError(f"transfer: expected one of {list(_TRANSFERS)}, got {transfer!r}")
+def _check_transfer(call: _Call, transfer: str, choices: tuple = _TRANSFERS) -> None:
+    if transfer not in choices:
+        raise ValueError(f"transfer: expected one of {list(choices)}, got {transfer!r}")
     if transfer == "closed_form" and call.closed_form_decay() is None:
         raise ValueError("transfer: 'closed_form' needs an additive spec (no delta rule) called without "
                          "use_gate_in_kernel / use_qk_l2norm_in_kernel; use 'auto' or 'op'")

@@ -26,6 +26,8 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
+from gdngen.runtime.boundary import paused as boundary_paused
+
 _DONE: set = set()
 _LOCK = threading.Lock()
 MAX_WORKERS = 16
@@ -106,7 +108,7 @@ def compile_ahead(key: Hashable, run: Callable[[], object], device: int,
         return False
     _DONE.add(key)
     try:
-        with launches_recorded() as recorded:
+        with launches_recorded() as recorded, boundary_paused():     # a dry run exchanges nothing
             run()
     except Exception:                      # noqa: BLE001 - the real call raises it
         return False

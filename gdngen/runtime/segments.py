@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from gdngen.runtime.boundary import active as boundary_hooks
 from gdngen.runtime.tiles import _OVERRIDES   # the dict gdngen.runtime.tiles.override() fills
 
 MAX_SEGMENTS = 8
@@ -98,7 +99,8 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         options["norm"] = norm
     one_call = dict(initial_state=initial_state, states=states, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                     A_log=A_log, dt_bias=dt_bias, kept_tmat=kept_tmat, **options)
-    if segments <= 1 or B != 1 or cu_seqlens is not None or states is None or states.shape[0] < chunks:
+    if (segments <= 1 or B != 1 or cu_seqlens is not None or states is None or states.shape[0] < chunks
+            or boundary_hooks() is not None):     # hooks at the state pass see the whole call once
         return backward(do, dht, q, k, v, g, beta, **one_call)
     if do.stride(-1) != 1 or not do.is_contiguous():
         do = do.contiguous()            # a stride-0 o.sum() gradient: the backward would copy it anyway
