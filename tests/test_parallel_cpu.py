@@ -8,6 +8,7 @@ transfer, and the op pass). The intra-card split == no split. Each group of case
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 
 from gdngen import parallel
 from gdngen.parallel import choose_segments, context_parallel, shard_sizes, shard_tokens, split_sequence_forward
+from gdngen.runtime.segments import intermediate_bytes
 from gdngen.selfcheck import make_inputs, rel_rmse
 
 TOL = 1e-5            # float32 inputs: CP and one process differ by float rounding only
@@ -40,6 +42,10 @@ CASES_2 = [
     # striped: 3 pieces per rank, 6 in all; dense with initial states, and varlen across pieces
     ("gated_delta_rule", dict(B=2, T=96, lengths=None), {}, "auto", 3),
     ("gated_delta_rule", dict(lengths=[20, 50, 7, 0, 19]), {}, "pipeline", 3),
+    # each rank's piece as consecutive calls (memory): a contiguous 48-token shard as 3, 4 striped
+    # pieces of 32 tokens as 2 each
+    ("gated_delta_rule", dict(B=1, T=96, lengths=None), {}, "pipeline", {"pieces": 1, "split": 3}),
+    ("gated_delta_rule", dict(B=1, T=128, lengths=None), {}, "pipeline", {"pieces": 2, "split": 2}),
     ("simple_gla", dict(lengths=[40, 9, 31, 16]), {}, "auto"),
     ("kda", dict(lengths=[30, 34]), {}, "auto"),
     ("gla", dict(B=1, T=64, lengths=None), {}, "auto"),
@@ -96,9 +102,34 @@ def _single(case):
 
 
 def _layout(case):
-    """shard_tokens keywords of a case: shard sizes (a list), pieces per rank (an int), or equal shards."""
+    """shard_tokens keywords of a case: shard sizes (a list), pieces per rank (an int, or a dict's
+    "pieces"), or equal shards."""
     shards = case[4] if len(case) > 4 else None
+    if isinstance(shards, dict):
+        return {"pieces": shards["pieces"]}
     return {"pieces": shards} if isinstance(shards, int) else {"sizes": shards}
+
+
+@contextlib.contextmanager
+def _split(case):
+    """A dict case's "split": the pipeline's per-call byte budget set so that each piece runs as
+    that many consecutive calls handing the state over in memory."""
+    shards = case[4] if len(case) > 4 else None
+    if not (isinstance(shards, dict) and shards.get("split")):
+        yield
+        return
+    from gdngen.parallel import distributed
+    x, _ = _case_inputs(case)
+    B, T, H = x["q"].shape[:3]
+    world, pieces = dist.get_world_size(), shards["pieces"]
+    need = intermediate_bytes(B=B, T=T // (world * pieces), HV=x["v"].shape[2], K=16, V=16, BT=CHUNK,
+                              itemsize=x["q"].element_size())
+    saved = distributed.PIPELINE_CALL_BYTES
+    distributed.PIPELINE_CALL_BYTES = -(-need // shards["split"])
+    try:
+        yield
+    finally:
+        distributed.PIPELINE_CALL_BYTES = saved
 
 
 def _unshard(parts, world, pieces):
@@ -115,8 +146,9 @@ def _sharded(case, rank, world):
     layout = _layout(case)
     x = {k: (shard_tokens(v, **layout) if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
     leaves = _leaves(x)
-    o, final = context_parallel(_chunk_fn(case[0]), **leaves, transfer=case[3], pieces=layout.get("pieces", 1),
-                                **_options(case))
+    with _split(case):
+        o, final = context_parallel(_chunk_fn(case[0]), **leaves, transfer=case[3], pieces=layout.get("pieces", 1),
+                                    **_options(case))
     loss = (o * shard_tokens(w_o, **layout)).sum()
     if rank == 0 and final is not None:
         loss = loss + (final * w_f).sum()
@@ -331,3 +363,20 @@ def test_split_arguments():
         split_sequence_forward(lambda q, k, v: None, **x)
     with pytest.raises(ValueError, match="group"):
         context_parallel(fn, **x)          # no process group in the test process
+
+
+def test_piece_plan():
+    """Striped pieces in sequence order, split into consecutive calls on chunk multiples; only a
+    call's neighbours on the same rank hand over in memory."""
+    from gdngen.parallel.pipeline import piece_plan
+    # rank 1 of 2, 2 pieces per rank of a 256-token sequence (4 pieces of 64): pieces 1 and 3
+    plan = piece_plan(1, 128, 1, 2, 2, True, None, [0, 128, 256], split=lambda n: 2, multiple=16)
+    assert [(c.lo, c.hi) for c in plan] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    assert [(c.prev_local, c.next_local) for c in plan] == [(False, True), (True, False)] * 2
+    assert [(c.prev, c.next) for c in plan] == [(0, 0)] * 4
+    assert plan[-1].owned == [(0, 0)] and plan[-1].outgoing == [] and plan[0].carried == [0]
+    # rank 0 holds the sequence's first call: the initial state, nothing carried in
+    first = piece_plan(2, 64, 0, 2, 1, True, None, [0, 64, 128])[0]
+    assert first.carried == [] and first.layout.init_rows == [0, 1] and first.outgoing == [0, 1]
+    # a split never cuts below the chunk size
+    assert len(piece_plan(1, 40, 0, 2, 1, False, None, [0, 40, 80], split=lambda n: 8, multiple=16)) == 2

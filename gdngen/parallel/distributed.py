@@ -10,6 +10,7 @@ from torch import Tensor
 from gdngen.parallel.local import (_TRANSFERS, _Call, _Layout, _Pass, _check_transfer, _host_offsets, _local_pass,
                                    _normalized, _packed_piece)
 from gdngen.parallel.pipeline import piece_plan, pipelined_call
+from gdngen.runtime.segments import intermediate_bytes
 
 
 #: Bytes of state tensors this process has put through collectives (the size of every all-gathered
@@ -188,6 +189,22 @@ class _ContextParallel(torch.autograd.Function):
         return (None, None, None, None, None, None, *result)
 
 
+#: Bytes of backward intermediates one op call of the pipeline may hold (its calls run the backward
+#: whole, not in the op's 256 MiB time segments: many small calls would leave the GPU waiting on
+#: the host's launches, see benchmarks/NOTES.md stop 24)
+PIPELINE_CALL_BYTES = 16 << 30
+
+
+def _backward_split(call: _Call):
+    """``length -> calls``: how many consecutive op calls a piece of ``length`` tokens runs as, so
+    that each call's backward intermediates stay under :data:`PIPELINE_CALL_BYTES`."""
+    B, T, H, HV, K, V = call.shape
+    delta = bool((call.info or {}).get("delta", True))
+    itemsize = call.named["q"].element_size()
+    return lambda length: -(-intermediate_bytes(B=B, T=length, HV=HV, K=K, V=V, BT=call.chunk_size,
+                                                itemsize=itemsize, delta=delta) // PIPELINE_CALL_BYTES)
+
+
 def resolve_transfer(call: _Call, transfer: str, world: int, pieces: int = 1) -> str:
     """The scheme a ``transfer`` choice runs on ``world`` ranks: 'closed_form', 'op' or 'pipeline'.
 
@@ -277,7 +294,8 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", pi
         else:
             offsets, starts = _global_offsets(call, group, world)
             N = len(offsets) - 1
-        plan = piece_plan(B, T, rank, world, pieces, call.named["initial_state"] is not None, offsets, starts)
+        plan = piece_plan(B, T, rank, world, pieces, call.named["initial_state"] is not None, offsets, starts,
+                          split=_backward_split(call) if needs_graph else None, multiple=call.chunk_size)
         o, final = pipelined_call(call, plan, N, group, names, tensors, needs_graph, COMM_BYTES,
                                   lambda x, direction: _all_reduce(x, group, direction))
     else:

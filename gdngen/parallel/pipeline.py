@@ -45,12 +45,16 @@ class _Neighbours(Boundary):
     by index tensors (their host-to-device copy would block the host until the stream caught up,
     and every launch after it would then sit on the state chain's path)."""
 
-    def __init__(self, group, piece: "_Piece", comm: dict):
+    def __init__(self, group, piece: "_Piece", comm: dict, handoff_in: Optional["_Handoff"] = None,
+                 handoff_out: Optional["_Handoff"] = None):
         global_rank = torch.distributed.get_global_rank
         self.group, self.comm = group, comm
         self.carried, self.outgoing, self.count = _rows(piece.carried), _rows(piece.outgoing), piece.layout.count
-        self.prev = global_rank(group, piece.prev) if piece.carried else None
-        self.next = global_rank(group, piece.next) if piece.outgoing else None
+        # the neighbour call on this rank hands over in memory; another rank's, point to point
+        self.handoff_in = handoff_in if piece.carried else None
+        self.handoff_out = handoff_out if piece.outgoing else None
+        self.prev = global_rank(group, piece.prev) if piece.carried and not piece.prev_local else None
+        self.next = global_rank(group, piece.next) if piece.outgoing and not piece.next_local else None
         self.phase = "forward"
         self.start = None                # the start states the forward pass ran from
         self.pending = []                # (work, tensor) of sends in flight
@@ -101,22 +105,32 @@ class _Neighbours(Boundary):
     def start_state(self, initial_state: Optional[Tensor]) -> Optional[Tensor]:
         if self.phase == "backward":     # a backward that recomputes the pass: the same start
             return self.start
-        if self.prev is not None:
+        received = None
+        if self.handoff_in is not None:
+            received = self.handoff_in.state
+        elif self.prev is not None:
             received = self._recv(self.carried, initial_state, self.prev)
+        if received is not None:
             initial_state = initial_state.to(torch.float32, copy=True)
             initial_state[self.carried] = received
         self.start = initial_state
         return initial_state
 
     def end_state(self, final_state: Optional[Tensor]) -> None:
-        if self.phase == "forward" and self.next is not None:
+        if self.phase != "forward":
+            return
+        if self.handoff_out is not None:
+            self.handoff_out.state = final_state[self.outgoing]
+        elif self.next is not None:
             self._send(final_state[self.outgoing], self.next, "forward")
 
     def end_grad(self, dht: Optional[Tensor]) -> Optional[Tensor]:
-        if self.next is None:
+        if self.handoff_out is not None:
+            received = self.handoff_out.grad
+        elif self.next is not None:
+            received = self._recv(self.outgoing, self.start if self.start is not None else dht, self.next)
+        else:
             return dht
-        like = self.start if self.start is not None else dht
-        received = self._recv(self.outgoing, like, self.next)
         if dht is None or dht.numel() == 0:
             HV, K, V = received.shape[1:]
             dht = received.new_zeros(self.count, HV, K, V)
@@ -126,7 +140,9 @@ class _Neighbours(Boundary):
         return dht
 
     def start_grad(self, dh0: Optional[Tensor]) -> None:
-        if self.prev is not None:
+        if self.handoff_in is not None:
+            self.handoff_in.grad = dh0[self.carried]
+        elif self.prev is not None:
             self._send(dh0[self.carried], self.prev, "backward")
 
     def finish(self) -> None:
@@ -172,12 +188,17 @@ class _Piece:
     owned: list               # (global sequence, local row or None): final states that end here
     prev: int                 # group rank holding the previous piece
     next: int                 # group rank holding the next piece
+    prev_local: bool = False  # the previous piece is this rank's call just before: handed over in memory
+    next_local: bool = False
 
 
 def piece_plan(B: int, T: int, rank: int, world: int, pieces: int, has_init: bool,
-               offsets: Optional[list], starts: list) -> list:
-    """This rank's pieces, in sequence order. ``offsets``: the packed batch's global cu_seqlens (None:
-    dense rows); ``starts``: every rank's first token (contiguous shards, ``pieces == 1``)."""
+               offsets: Optional[list], starts: list, split=None, multiple: int = 64) -> list:
+    """This rank's op calls, in sequence order. ``offsets``: the packed batch's global cu_seqlens
+    (None: dense rows); ``starts``: every rank's first token (contiguous shards, ``pieces == 1``).
+    ``split(length)``: how many consecutive calls a piece of ``length`` tokens runs as (memory: an
+    op call's backward holds its whole piece's intermediates; default 1); the cuts fall on
+    multiples of ``multiple`` (the chunk size) and the calls hand the state over in memory."""
     if pieces == 1:
         spans = [(starts[rank], starts[rank + 1])]
     else:
@@ -187,28 +208,39 @@ def piece_plan(B: int, T: int, rank: int, world: int, pieces: int, has_init: boo
         length = T // pieces
         spans = [(p * length, (p + 1) * length) for p in range(rank, pieces * world, world)]
     total = world * pieces
-    plan = []
+    plan, lo = [], 0
     for j, (start, end) in enumerate(spans):
         p = j * world + rank if pieces > 1 else rank           # the piece's place in the sequence
-        lo, hi = j * (end - start), (j + 1) * (end - start)
-        first, last = p == 0, p == total - 1
-        if offsets is None:
-            layout = _Layout(None, [(0, hi - lo)] * B, [not first] * B,
-                             [b if first and has_init else -1 for b in range(B)])
-            outgoing = [] if last else list(range(B))
-            owned = [(b, b) for b in range(B)] if last else []
-        else:
-            piece = _packed_piece(offsets, start, end, has_init)
-            if piece.layout.count == 0:
-                raise ValueError(f"cu_seqlens: rank {rank} holds no tokens in [{start}, {end})")
-            layout = piece.layout
-            outgoing = [] if last or piece.ends_sequence[-1] else [layout.count - 1]
-            owned = [(n, i) for i, (n, ends) in enumerate(zip(piece.seq_ids, piece.ends_sequence)) if ends]
-            if first:       # an empty sequence's final state is its initial state: the first piece reports it
-                owned += [(n, None) for n in range(len(offsets) - 1) if offsets[n] == offsets[n + 1]]
-        carried = [i for i, c in enumerate(layout.carry) if c]
-        plan.append(_Piece(lo, hi, layout, carried, outgoing, owned, (p - 1) % world, (p + 1) % world))
+        count = max(1, min(split(end - start) if split else 1, (end - start) // multiple))
+        cuts = sorted({start + (end - start) * i // count // multiple * multiple for i in range(count)} | {end})
+        for a, b in zip(cuts, cuts[1:]):
+            first, last = p == 0 and a == start, p == total - 1 and b == end
+            if offsets is None:
+                layout = _Layout(None, [(0, b - a)] * B, [not first] * B,
+                                 [r if first and has_init else -1 for r in range(B)])
+                outgoing = [] if last else list(range(B))
+                owned = [(r, r) for r in range(B)] if last else []
+            else:
+                piece = _packed_piece(offsets, a, b, has_init)
+                if piece.layout.count == 0:
+                    raise ValueError(f"cu_seqlens: rank {rank} holds no tokens in [{a}, {b})")
+                layout = piece.layout
+                outgoing = [] if last or piece.ends_sequence[-1] else [layout.count - 1]
+                owned = [(n, i) for i, (n, ends) in enumerate(zip(piece.seq_ids, piece.ends_sequence)) if ends]
+                if first:   # an empty sequence's final state is its initial state: the first call reports it
+                    owned += [(n, None) for n in range(len(offsets) - 1) if offsets[n] == offsets[n + 1]]
+            carried = [i for i, c in enumerate(layout.carry) if c]
+            plan.append(_Piece(lo, lo + b - a, layout, carried, outgoing, owned, (p - 1) % world, (p + 1) % world,
+                               prev_local=a > start, next_local=b < end))
+            lo += b - a
     return plan
+
+
+class _Handoff:
+    """The state (forward) and its gradient (backward) between two consecutive calls of one rank."""
+
+    state: Optional[Tensor] = None
+    grad: Optional[Tensor] = None
 
 
 def pipelined_call(call, plan: list, N: int, group, names, tensors, needs_graph: bool, comm: dict, all_reduce):
@@ -250,10 +282,12 @@ class _Pipelined(torch.autograd.Function):
             cus = [torch.tensor(piece.layout.cu_seqlens, dtype=torch.int32, device=device)
                    if piece.layout.cu_seqlens is not None else None for piece in plan]
             starts = [_start_states(initial_state, piece.layout, (HV, K, V), device) for piece in plan]
+            handoff = None
             for piece, cu, start in zip(plan, cus, starts):
                 inputs = {n: (x[:, piece.lo:piece.hi] if n in _PER_TOKEN and x is not None and not whole else x)
                           for n, x in zip(names, leaves)}
-                hooks = _Neighbours(group, piece, comm)
+                handoff_in, handoff = handoff, (_Handoff() if piece.next_local else None)
+                hooks = _Neighbours(group, piece, comm, handoff_in if piece.prev_local else None, handoff)
                 hooks.o_view = o_all[:, piece.lo:piece.hi] if o_all is not None else None
                 with boundary(hooks):
                     o, final = call.with_args(**inputs).run(initial_state=start, output_final_state=True,
