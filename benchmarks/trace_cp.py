@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 benchmarks/trace_cp.py --pieces 4 [--backward]
 
-Each rank warms up, then records one call under torch.profiler and writes
+Each rank warms up, then (``--cprofile``) profiles its host over 5 calls, then records one call
+under torch.profiler and writes
 ``$OUT/cp_trace_rank<r>.jsonl``: one row per GPU kernel or memcpy (name, stream, start and end in
 microseconds from the call's first kernel), and the host time the call took to return. Read them
 with ``python benchmarks/trace_cp.py --summarise DIR``: per rank, the busy and idle time of the
@@ -46,6 +47,24 @@ def record(args):
         call()
     torch.cuda.synchronize()
     dist.barrier()
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(5):
+            call()
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+        pstats.Stats(profile, stream=text).sort_stats("cumtime").print_stats(40)
+        out = os.environ.get("OUT", "trace_out")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"cp_host_rank{rank}.txt"), "w") as f:
+            f.write(text.getvalue())
+        dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -102,6 +121,8 @@ def main():
     parser.add_argument("--value-heads", type=int, default=32)
     parser.add_argument("--pieces", type=int, default=4)
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also profile the host (cProfile over 5 calls): $OUT/cp_host_rank<r>.txt")
     parser.add_argument("--summarise", metavar="DIR")
     args = parser.parse_args()
     if args.summarise:
