@@ -310,8 +310,6 @@ def main():
                         help="cp: rank 0's share of the tokens relative to each other rank's, one CP row each")
     parser.add_argument("--bwd-first-weights", default="0.75,1",
                         help="cp: the same for the forward+backward rows")
-    parser.add_argument("--send-wait", choices=["on", "off"], default=None,
-                        help="cp: gdngen.parallel.pipeline.SEND_WAIT (off: high-priority NCCL streams)")
     parser.add_argument("--pieces", default="4,8",
                         help="cp: striped layouts (pieces per rank) timed with the pipelined transfer")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per row (default 10; --device cpu: 1)")
@@ -336,9 +334,6 @@ def main():
     args.first_weights = [float(w) for w in args.first_weights.split(",")]
     args.bwd_first_weights = [float(w) for w in args.bwd_first_weights.split(",")]
     args.transfers = args.transfers.split(",")
-    if args.send_wait is not None:
-        from gdngen.parallel import pipeline
-        pipeline.SEND_WAIT = args.send_wait == "on"
     args.pieces = [int(n) for n in args.pieces.split(",")]
     global DEVICE, DTYPE, K, V
     DEVICE, K, V = args.device, args.head_dim, args.head_dim

@@ -95,7 +95,7 @@ class _Neighbours(Boundary):
     def _send(self, x: Tensor, peer: int, direction: str) -> None:
         x = x.to(torch.float32).contiguous()
         work = torch.distributed.isend(x, dst=peer, group=self.group)
-        if x.is_cuda and SEND_WAIT:
+        if x.is_cuda:
             # the compute stream waits for the send (tens of microseconds: the receive is posted):
             # otherwise the next stage's kernel fills the SMs and the send's kernel starts after it
             work.wait()
@@ -155,29 +155,7 @@ class _Neighbours(Boundary):
 #: per-token gradients); stays 0 for the generated ops. Tests read it.
 JOIN_COPIES = {"output": 0, "gradients": 0}
 
-#: How a send keeps its place ahead of the next stage's kernel: the compute stream waits for it
-#: (True), or the exchange runs in a copy of the group whose NCCL streams have high priority, so
-#: the send's kernel is scheduled before the next stage's pending blocks (False).
-SEND_WAIT = True
-
 _SIDE_STREAMS: dict = {}
-_PRIORITY_GROUPS: dict = {}
-
-
-def exchange_group(group):
-    """The group the pipeline's point-to-point exchange runs in: ``group`` itself, or (NCCL, with
-    :data:`SEND_WAIT` off) a copy of it on high-priority streams, made once per group. Every rank
-    of ``group`` calls it at the same point (it is collective the first time)."""
-    dist = torch.distributed
-    if SEND_WAIT or dist.get_backend(group) != "nccl":
-        return group
-    key = tuple(dist.get_process_group_ranks(group))
-    if key not in _PRIORITY_GROUPS:
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = True
-        _PRIORITY_GROUPS[key] = dist.new_group(list(key), backend="nccl", pg_options=options,
-                                               use_local_synchronization=True)
-    return _PRIORITY_GROUPS[key]
 
 
 def _side_stream(device) -> "torch.cuda.Stream":
@@ -269,7 +247,7 @@ def pipelined_call(call, plan: list, N: int, group, names, tensors, needs_graph:
     """``(o, final)`` of this rank's pieces (:func:`piece_plan`) through the op with the pipelined
     exchange. ``N``: sequences in the whole batch; ``all_reduce(x, direction)``: the group's counted
     all_reduce (final states and their gradients)."""
-    return _Pipelined.apply(call, plan, N, exchange_group(group), names, needs_graph, comm, all_reduce, *tensors)
+    return _Pipelined.apply(call, plan, N, group, names, needs_graph, comm, all_reduce, *tensors)
 
 
 def _start_states(initial_state: Optional[Tensor], layout: _Layout, shape: tuple, device) -> Optional[Tensor]:
