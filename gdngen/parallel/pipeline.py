@@ -14,7 +14,8 @@ chunk-local share of the time is split. ``pieces = n`` stripes the sequence inst
 order; while one rank runs a piece's state pass the others run the chunk-local stages of theirs,
 so with a few pieces every rank stays busy and the whole op, serial passes included, is split
 ``world`` ways (plus one piece's chunk-local stages at the start and end). The backward runs the
-pieces in reverse.
+pieces in reverse. A piece whose backward would hold too much memory runs as several consecutive
+calls that hand the state over in memory (:func:`piece_plan`'s ``split``).
 
 Against the widened transfer pass (:mod:`gdngen.parallel.local`): no ``K`` extra value columns
 (the delta rule's transition is a dense ``K x K`` matrix, so the widened pass costs about twice
@@ -333,9 +334,9 @@ class _Pipelined(torch.autograd.Function):
         pieces_grads = {n: [] for n in wanted}
         passed_through = []                 # empty sequences: their final state is their initial state
         # B == 1: the pieces' gradients of per-token inputs go straight into the rank's tensors
-        whole = dict(zip(names, leaves))
-        full = ({n: torch.empty_like(whole[n]) for n in wanted if n in _PER_TOKEN}
-                if len(plan) > 1 and whole["q"].shape[0] == 1 else {})
+        by_name = dict(zip(names, leaves))
+        full = ({n: torch.empty_like(by_name[n]) for n in wanted if n in _PER_TOKEN}
+                if len(plan) > 1 and by_name["q"].shape[0] == 1 else {})
         for piece, (_, _, _, hooks) in zip(plan, runs):
             hooks.grad_views = {"d" + n: x[:, piece.lo:piece.hi] for n, x in full.items()}
         for piece, (inputs, o, final, hooks) in reversed(list(zip(plan, runs))):
