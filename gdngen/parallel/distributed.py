@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from gdngen.parallel.local import (_TRANSFERS, _Call, _Layout, _Pass, _check_transfer, _host_offsets, _local_pass,
-                                   _normalized, _packed_piece)
+                                   _normalized)
 from gdngen.parallel.pipeline import piece_plan, pipelined_call
 from gdngen.runtime.segments import intermediate_bytes
 
@@ -51,8 +51,11 @@ def _shard_starts(T: int, group, world: int, device) -> list:
 
 
 def _global_offsets(call: _Call, group, world: int):
-    """(the packed batch's global cu_seqlens, every rank's first token) of a varlen call, checked."""
+    """(the packed batch's global cu_seqlens or None, every rank's first token, sequences in the whole
+    batch) of a call; varlen offsets are checked against the all-gathered shard lengths."""
     B, T = call.shape[:2]
+    if call.named["cu_seqlens"] is None:
+        return None, [r * T for r in range(world + 1)], B
     if B != 1:
         raise ValueError(f"cu_seqlens: varlen inputs are packed as B=1, got q of shape {tuple(call.named['q'].shape)}")
     offsets = _host_offsets(call.named["cu_seqlens"])
@@ -60,27 +63,17 @@ def _global_offsets(call: _Call, group, world: int):
     if offsets[-1] != starts[-1]:
         raise ValueError(f"cu_seqlens: the global offsets end at {offsets[-1]}, but the {world} ranks' shards hold "
                          f"{starts[-1]} tokens; pass the global cu_seqlens of the packed batch on every rank")
-    return offsets, starts
+    return offsets, starts, len(offsets) - 1
 
 
 def _rank_plan(call: _Call, rank: int, world: int, group=None) -> _RankPlan:
-    B, T, H, HV, K, V = call.shape
-    has_init = call.named["initial_state"] is not None
-    cu_seqlens = call.named["cu_seqlens"]
-    if cu_seqlens is None:
-        layout = _Layout(None, [(0, T)] * B, [rank > 0] * B,
-                         [b if (rank == 0 and has_init) else -1 for b in range(B)])
-        owned = [(b, b) for b in range(B)] if rank == world - 1 else []
-        return _RankPlan(rank, world, layout, list(range(B)), owned, B)
-    offsets, starts = _global_offsets(call, group, world)
-    start = starts[rank]
-    piece = _packed_piece(offsets, start, start + T, has_init)
-    if piece.layout.count == 0:
-        raise ValueError(f"cu_seqlens: rank {rank} holds no tokens (T={T})")
-    owned = [(n, i) for i, (n, ends) in enumerate(zip(piece.seq_ids, piece.ends_sequence)) if ends]
-    if rank == 0:       # an empty sequence's final state is its initial state: rank 0 reports it
-        owned += [(n, None) for n in range(len(offsets) - 1) if offsets[n] == offsets[n + 1]]
-    return _RankPlan(rank, world, piece.layout, [piece.layout.count - 1], owned, len(offsets) - 1)
+    """The widened pass's plan: the rank's shard as one piece (:func:`piece_plan`); every rank hands on
+    its last sequence's pair (all rows when dense), whether or not that sequence continues."""
+    B, T = call.shape[:2]
+    offsets, starts, N = _global_offsets(call, group, world)
+    (piece,) = piece_plan(B, T, rank, world, 1, call.named["initial_state"] is not None, offsets, starts)
+    out_rows = list(range(B)) if offsets is None else [piece.layout.count - 1]
+    return _RankPlan(rank, world, piece.layout, out_rows, piece.owned, N)
 
 
 def _owned_finals(local: _Pass, S_in_all: Optional[Tensor], plan: _RankPlan, initial_state) -> Optional[Tensor]:
@@ -162,7 +155,6 @@ class _ContextParallel(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         o, owned, pair, start_leaf, leaves = ctx.graph
         plan, group, gathered_M, start, output_final_state = ctx.state
-        V = start.shape[-1]
         outputs, grads = [o], [do]
         if output_final_state:
             dfinal = _all_reduce(dfinal.clone(), group, "backward")
@@ -289,11 +281,7 @@ def context_parallel(fn: Callable, *args, group=None, transfer: str = "auto", pi
     needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if scheme == "pipeline":
         B, T = call.shape[:2]
-        if call.named["cu_seqlens"] is None:
-            offsets, starts, N = None, [r * T for r in range(world + 1)], B
-        else:
-            offsets, starts = _global_offsets(call, group, world)
-            N = len(offsets) - 1
+        offsets, starts, N = _global_offsets(call, group, world)
         plan = piece_plan(B, T, rank, world, pieces, call.named["initial_state"] is not None, offsets, starts,
                           split=_backward_split(call) if needs_graph else None, multiple=call.chunk_size)
         o, final = pipelined_call(call, plan, N, group, names, tensors, needs_graph, COMM_BYTES,

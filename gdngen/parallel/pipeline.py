@@ -208,6 +208,8 @@ def piece_plan(B: int, T: int, rank: int, world: int, pieces: int, has_init: boo
                              f"(shard lengths {[starts[r + 1] - starts[r] for r in range(world)]})")
         length = T // pieces
         spans = [(p * length, (p + 1) * length) for p in range(rank, pieces * world, world)]
+    if any(end <= start for start, end in spans):
+        raise ValueError(f"q: rank {rank} holds no tokens (T={T})")
     total = world * pieces
     plan, lo = [], 0
     for j, (start, end) in enumerate(spans):
