@@ -117,11 +117,11 @@ def shard(x: dict, rank: int, world: int, sizes=None, pieces: int = 1) -> dict:
             for n, t in x.items()}
 
 
-def layouts(args):
+def layouts(args, weights: list):
     """(transfer, first weight, pieces) of every CP row: weights for contiguous shards, pieces for striped."""
     rows = []
     for transfer in args.transfers:
-        rows += [(transfer, w, 1) for w in args.first_weights]
+        rows += [(transfer, w, 1) for w in weights]
         if transfer in ("auto", "pipeline"):
             rows += [(transfer, 1.0, n) for n in args.pieces if n > 1]
     return rows
@@ -150,7 +150,7 @@ def mode_cp(args) -> list:
         rows = [("1 GPU", one, 1, {"first_call_s": first_s})]
         local = shard(x, rank, world)
         rows.append((f"own 1/{world} alone", timed(lambda: fn(**local, output_final_state=True), args.reps), 1, {}))
-        for transfer, weight, pieces in layouts(args):
+        for transfer, weight, pieces in layouts(args, args.first_weights):
             sizes = shard_sizes(T, world, first_weight=weight) if pieces == 1 else None
             local = shard(x, rank, world, sizes, pieces)
             start = time.perf_counter()
@@ -200,8 +200,7 @@ def mode_cp(args) -> list:
                        tokens_per_s=B * Tb / (one * 1e-3), speedup=1.0, comm_bytes=0)
             log(row, rank)
             table.append(row)
-            for transfer, weight, pieces in layouts(argparse.Namespace(**dict(vars(args),
-                                                                              first_weights=args.bwd_first_weights))):
+            for transfer, weight, pieces in layouts(args, args.bwd_first_weights):
                 sizes = shard_sizes(Tb, world, first_weight=weight) if pieces == 1 else None
                 leaves = {n: piece_of(t.detach(), rank, world, sizes, pieces).clone().requires_grad_()
                           if n in ("q", "k", "v", "g", "beta") else t.detach().clone().requires_grad_()
