@@ -151,6 +151,13 @@ def build_plan(spec: Spec) -> Plan:
     # per key tile on its latency-bound path - against 0.598 here (branch kda-gates-wy, 71b7666).
     exprs["key_tiles_from_wy"] = alg.per_channel and t.delta
     exprs.update(_feature_map_exprs(spec))
+    # Scalar decay: a chunk's transition has norm exp(its summed log-decay) (times
+    # max(1, |1 - beta |k|^2|) per token with the delta rule), so a state's share of a later one is
+    # bounded by data the state pass already reads. The pass can then run a long sequence as pieces
+    # side by side, each starting from a walk back over the chunks before it
+    # (gdngen.runtime.tiles.state_pieces). Per-channel decay and feature maps on k are left out.
+    exprs["state_pieces"] = spec.has_decay and not alg.per_channel and not (
+        exprs["feature_map_exprs"] or exprs["random_features_expr"])
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []
     names += ["gates"]

@@ -13,6 +13,7 @@ per process, and resolve each launch shape once; nothing is tuned inside a call 
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Optional
 
@@ -123,6 +124,41 @@ def store_wu(spec_name: str, *, N: int, HV: int, per_channel: bool = False) -> b
         # (CPU, bf16-faithful interpreter) against issue #7's 5e-3 bar. Precision first here.
         return False
     return N * HV < 32
+
+
+# A piece shorter than this many chunks would spend too much of its pass walking back
+# (the walk covers a few chunks at realistic gates: a chunk of 64 tokens at g ~ -0.13 decays by e^-8).
+MIN_PIECE_CHUNKS = 32
+
+
+def state_pieces(spec_name: str, *, N: int, HV: int, V: int, BV: int, T: int, BT: int) -> int:
+    """How many pieces the forward state pass cuts each of ``N`` padded sequences into (1: none).
+
+    The pass runs one program per sequence, value head and value tile along the whole sequence: with
+    fewer programs than SMs most of the GPU idles on its sequential chain ((1, 32768, 32, 32): 64
+    programs on 132 SMs). Cut into pieces, it runs about two programs per SM, each piece starting from
+    a walk back over the chunks before it that stops once their transitions' norm is at most
+    :func:`window_log_tolerance` (stages/state.py.j2). ``override(spec, "state_pieces", value=n)``
+    forces n (tests, the tuner); on CPU the default is 1.
+    """
+    forced = _OVERRIDES.get((spec_name, "state_pieces"))
+    if forced is not None:
+        return max(1, int(forced["value"]))
+    from gdngen.autotune.device import current_device
+    device = current_device()
+    if device is None:
+        return 1
+    sms = device.sm_count or SM_COUNT_H200
+    programs = N * HV * -(-V // BV)
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), -(-T // BT) // MIN_PIECE_CHUNKS))
+
+
+def window_log_tolerance(dtype: torch.dtype) -> float:
+    """The log of the largest share of an older state a piece's walk back may drop: 400x below the
+    unit roundoff of the inputs' dtype (bf16 ~2.0e-5, fp16 ~2.4e-6, fp32 ~3.0e-10)."""
+    return math.log(torch.finfo(dtype).eps) - 6.0
 
 
 def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,

@@ -1,0 +1,103 @@
+"""The forward state pass run as pieces side by side (gdngen.runtime.tiles.state_pieces), under the
+Triton interpreter: every output against the float64 reference and against the unsplit pass."""
+import importlib
+
+import pytest
+import torch
+
+from gdngen.autotune.device import DeviceInfo, use_device
+from gdngen.runtime import override
+from gdngen.runtime.tiles import state_pieces, window_log_tolerance
+from gdngen.runtime.varlen import PieceTables
+from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse
+from gdngen.spec import load_spec
+
+H200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132)
+SPLIT_SPECS = ["gated_delta_rule", "simple_gla"]
+
+
+def _run(name, inputs, pieces, chunk_size):
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    with override(name, "state_pieces", value=pieces), poisoned_memory():
+        return call(module, spec, inputs, output_final_state=True, chunk_size=chunk_size)
+
+
+def _check(name, inputs, pieces, chunk_size, tol=1e-5):
+    spec = load_spec(f"specs/{name}.yaml")
+    o, ht = _run(name, inputs, pieces, chunk_size)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= tol, f"o: {rel_rmse(o, o_ref):.3e}"
+    assert rel_rmse(ht, ht_ref) <= tol, f"final state: {rel_rmse(ht, ht_ref):.3e}"
+    return o, ht
+
+
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+@pytest.mark.parametrize("pieces", [2, 3, 5])
+@pytest.mark.parametrize("h0", [True, False])
+def test_pieces_match_the_reference_and_the_unsplit_pass(name, pieces, h0):
+    # T = 200 is no multiple of the chunk: the last piece ends in a partial chunk. At fp32 the walk
+    # back covers ~11 chunks of 16 tokens, so it crosses earlier pieces and, for the second piece,
+    # reaches the sequence start (and its initial state).
+    spec = load_spec(f"specs/{name}.yaml")
+    inputs = make_inputs(spec, B=2, T=200, H=1, HV=2, K=16, V=16, seed=5, h0=h0)
+    o, ht = _check(name, inputs, pieces, chunk_size=16)
+    o_one, ht_one = _run(name, inputs, 1, 16)
+    assert rel_rmse(o, o_one) <= 1e-6 and rel_rmse(ht, ht_one) <= 1e-6
+
+
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+def test_without_decay_the_walk_reaches_the_sequence_start(name):
+    # log-decay ~0: no chunk's transition shrinks an older state, so every walk runs back to the
+    # sequence start and starts from its initial state - the pieces are then exact by construction
+    spec = load_spec(f"specs/{name}.yaml")
+    inputs = make_inputs(spec, B=1, T=96, H=1, HV=2, K=16, V=16, seed=6)
+    inputs["g"] = torch.full_like(inputs["g"], -1e-4)
+    _check(name, inputs, pieces=4, chunk_size=16)
+
+
+def test_keys_longer_than_one_lengthen_the_walk():
+    # beta |k|^2 > 2 gives (I - beta k k^T) norm above 1. Every key along one direction, with
+    # |1 - beta |k|^2| = e^0.1 against a decay of e^-0.1 per token: the state along that direction
+    # never fades, so a walk that counted the decay alone would stop after ~14 chunks and drop it;
+    # counted, the growth keeps every walk going back to the sequence start.
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    inputs = make_inputs(spec, B=1, T=512, H=1, HV=2, K=16, V=16, seed=7)
+    direction = torch.nn.functional.normalize(torch.randn(16, generator=torch.Generator().manual_seed(8)), dim=0)
+    beta = 0.95
+    inputs["k"] = (direction * ((1 + torch.tensor(0.1).exp()) / beta) ** 0.5).expand_as(inputs["k"]).contiguous()
+    inputs["beta"] = torch.full_like(inputs["beta"], beta)
+    inputs["g"] = torch.full_like(inputs["g"], -0.1)
+    # beta |k|^2 > 1 also leaves the chunk's (I + A) ill-conditioned (the unsplit pass is ~0.1 from
+    # float64 here): the pieces must reproduce the unsplit pass, not the reference
+    o, ht = _run("gated_delta_rule", inputs, 2, 16)
+    o_one, ht_one = _run("gated_delta_rule", inputs, 1, 16)
+    assert rel_rmse(o, o_one) <= 1e-6, f"o: {rel_rmse(o, o_one):.3e}"
+    assert rel_rmse(ht, ht_one) <= 1e-6, f"final state: {rel_rmse(ht, ht_one):.3e}"
+
+
+def test_piece_tables_number_chunks_as_the_unsplit_pass():
+    tables = PieceTables(B=2, T=200, chunk_size=16, pieces=3, device="cpu")   # 13 chunks: pieces of 5, 5, 3
+    assert tables.per_sequence == 3 and tables.count == 6
+    assert tables.cu_seqlens.tolist() == [0, 80, 160, 200, 280, 360, 400]
+    assert tables.chunk_offsets.tolist() == [0, 5, 10, 13, 18, 23]
+    assert tables.piece_seq.tolist() == [[0, 0]] * 3 + [[200, 1]] * 3
+
+
+def test_piece_count_fills_the_sms_only_where_programs_are_few():
+    with use_device(H200):
+        # (1, 32768, 32, 32), BV=64: 64 programs -> about two per SM
+        assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, BV=64, T=32768, BT=64) == 5
+        # (4, 8192, 16, 32): 256 programs already fill the SMs
+        assert state_pieces("gated_delta_rule", N=4, HV=32, V=128, BV=64, T=8192, BT=64) == 1
+        # short sequences: no piece shorter than 32 chunks
+        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, BV=64, T=4096, BT=64) == 2
+        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, BV=64, T=2048, BT=64) == 1
+        with override("gated_delta_rule", "state_pieces", value=3):
+            assert state_pieces("gated_delta_rule", N=4, HV=32, V=128, BV=64, T=8192, BT=64) == 3
+    with use_device(None):
+        assert state_pieces("gated_delta_rule", N=1, HV=2, V=16, BV=16, T=4096, BT=16) == 1
+
+
+def test_window_tolerance_sits_below_each_dtypes_rounding():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.finfo(dtype).eps / 1000 < torch.tensor(window_log_tolerance(dtype)).exp() < torch.finfo(dtype).eps / 100
