@@ -143,3 +143,23 @@ def test_float32_intermediates_precision(spec_variant, B, H, HV):
         errors[label] = rel_rmse(o, o_ref), rel_rmse(ht, ht_ref)
     assert errors["float32"][0] < errors["input"][0] and errors["float32"][0] <= 2e-3, errors
     assert errors["float32"][1] <= errors["input"][1], errors
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_state_pass_in_pieces(name, dtype):
+    """One long sequence over few heads: the forward state pass runs in pieces (chosen by the
+    default), against float64 and against the unsplit pass."""
+    from gdngen.runtime import override
+    from gdngen.runtime.tiles import state_pieces, tiles
+    shape = dict(B=1, T=8192, H=2, HV=4, K=128, V=128)
+    BV = tiles(name, "state", K=128, V=128, BT=64, N=1, HV=4, dtype=dtype, H=2, T=8192)["BV"]
+    assert state_pieces(name, N=1, HV=4, V=128, BV=BV, T=8192, BT=64) > 1
+    _run(name, dtype, **shape)
+    spec = load_spec(f"specs/{name}.yaml")
+    module = importlib.import_module(f"generated.{name}")
+    inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=8, **shape)
+    o, ht = call(module, spec, inputs, output_final_state=True)
+    with override(name, "state_pieces", value=1):
+        o_one, ht_one = call(module, spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_one) <= TOL[dtype] / 10 and rel_rmse(ht, ht_one) <= TOL[dtype] / 10

@@ -85,8 +85,9 @@ def test_piece_tables_number_chunks_as_the_unsplit_pass():
 
 def test_piece_count_fills_the_sms_only_where_programs_are_few():
     with use_device(H200):
-        # (1, 32768, 32, 32), BV=64: 64 programs -> about two per SM
-        assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, BV=64, T=32768, BT=64) == 5
+        # (1, 32768, 32, 32), BV=64: 64 programs -> 4 pieces, two programs per SM; (1, 32768, 2, 8): 8
+        assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, BV=64, T=32768, BT=64) == 4
+        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, BV=32, T=32768, BT=64) == 8
         # (4, 8192, 16, 32): 256 programs already fill the SMs
         assert state_pieces("gated_delta_rule", N=4, HV=32, V=128, BV=64, T=8192, BT=64) == 1
         # short sequences: no piece shorter than 32 chunks

@@ -136,7 +136,7 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, BV: int, T: int, BT
 
     The pass runs one program per sequence, value head and value tile along the whole sequence: with
     fewer programs than SMs most of the GPU idles on its sequential chain ((1, 32768, 32, 32): 64
-    programs on 132 SMs). Cut into pieces, it runs about two programs per SM, each piece starting from
+    programs on 132 SMs). Cut into pieces, it runs up to two programs per SM, each piece starting from
     a walk back over the chunks before it that stops once their transitions' norm is at most
     :func:`window_log_tolerance` (stages/state.py.j2). ``override(spec, "state_pieces", value=n)``
     forces n (tests, the tuner); on CPU the default is 1.
@@ -152,7 +152,11 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, BV: int, T: int, BT
     programs = N * HV * -(-V // BV)
     if programs >= sms:
         return 1
-    return max(1, min(-(-2 * sms // programs), -(-T // BT) // MIN_PIECE_CHUNKS))
+    # a power of two: the pieces' programs then fill whole waves of two per SM (H200, K=V=128, bf16:
+    # 3 and 5 pieces ran slower than 2 and 4 at (1,32768,32,32); 4 and 8 were best at 32 x 64 and
+    # 32 x 8 programs - benchmarks/NOTES.md, stop 25)
+    most = min(2 * sms // programs, -(-T // BT) // MIN_PIECE_CHUNKS)
+    return 1 << (most.bit_length() - 1) if most > 1 else 1
 
 
 def window_log_tolerance(dtype: torch.dtype) -> float:
