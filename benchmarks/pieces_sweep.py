@@ -46,8 +46,9 @@ def main():
     for text in args.cases.split():
         B, T, H, HV = (int(n) for n in text.split(","))
         inputs = bench.make_inputs(spec, bench.Case(text, B, T, H, HV), torch.bfloat16, "cuda")
-        BV = tiles(spec.name, "state", K=128, V=128, BT=64, N=B, HV=HV, dtype=torch.bfloat16, H=H, T=T)["BV"]
-        default = state_pieces(spec.name, N=B, HV=HV, V=128, BV=BV, T=T, BT=64)
+        def value_tile(n):
+            return tiles(spec.name, "state", K=128, V=128, BT=64, N=n, HV=HV, dtype=torch.bfloat16, H=H, T=T)["BV"]
+        default = state_pieces(spec.name, N=B, HV=HV, V=128, T=T, BT=64, value_tile=value_tile)
         with override(spec.name, "state_pieces", value=1):
             o_one = fn(**inputs)[0]
         for pieces in [int(p) for p in args.pieces.split(",")]:

@@ -153,8 +153,9 @@ def test_state_pass_in_pieces(name, dtype):
     from gdngen.runtime import override
     from gdngen.runtime.tiles import state_pieces, tiles
     shape = dict(B=1, T=8192, H=2, HV=4, K=128, V=128)
-    BV = tiles(name, "state", K=128, V=128, BT=64, N=1, HV=4, dtype=dtype, H=2, T=8192)["BV"]
-    assert state_pieces(name, N=1, HV=4, V=128, BV=BV, T=8192, BT=64) > 1
+    def value_tile(n):
+        return tiles(name, "state", K=128, V=128, BT=64, N=n, HV=4, dtype=dtype, H=2, T=8192)["BV"]
+    assert state_pieces(name, N=1, HV=4, V=128, T=8192, BT=64, value_tile=value_tile) > 1
     _run(name, dtype, **shape)
     spec = load_spec(f"specs/{name}.yaml")
     module = importlib.import_module(f"generated.{name}")

@@ -84,19 +84,26 @@ def test_piece_tables_number_chunks_as_the_unsplit_pass():
 
 
 def test_piece_count_fills_the_sms_only_where_programs_are_few():
+    def call(N, HV, T, bv=lambda n: 64):
+        return state_pieces("gated_delta_rule", N=N, HV=HV, V=128, T=T, BT=64, value_tile=bv)
+
     with use_device(H200):
-        # (1, 32768, 32, 32), BV=64: 64 programs -> 4 pieces, two programs per SM; (1, 32768, 2, 8): 8
-        assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, BV=64, T=32768, BT=64) == 4
-        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, BV=32, T=32768, BT=64) == 8
+        # (1, 32768, 32, 32), BV=64: 64 programs -> 4 pieces, two programs per SM
+        assert call(1, 32, 32768) == 4
+        # the tiles' BV at the pieces' sequence count counts: BV=32 below 4 sequences, 64 from there
+        assert call(1, 32, 32768, bv=lambda n: 32 if n < 4 else 64) == 4
+        assert call(1, 32, 32768, bv=lambda n: 32) == 2
+        # (1, 32768, 2, 8): 16 pieces of 32 chunks, 256 programs
+        assert call(1, 8, 32768, bv=lambda n: 32 if n < 4 else 64) == 16
         # (4, 8192, 16, 32): 256 programs already fill the SMs
-        assert state_pieces("gated_delta_rule", N=4, HV=32, V=128, BV=64, T=8192, BT=64) == 1
+        assert call(4, 32, 8192) == 1
         # short sequences: no piece shorter than 32 chunks
-        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, BV=64, T=4096, BT=64) == 2
-        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, BV=64, T=2048, BT=64) == 1
+        assert call(1, 8, 4096) == 2
+        assert call(1, 8, 2048) == 1
         with override("gated_delta_rule", "state_pieces", value=3):
-            assert state_pieces("gated_delta_rule", N=4, HV=32, V=128, BV=64, T=8192, BT=64) == 3
+            assert call(4, 32, 8192) == 3
     with use_device(None):
-        assert state_pieces("gated_delta_rule", N=1, HV=2, V=16, BV=16, T=4096, BT=16) == 1
+        assert call(1, 2, 4096) == 1
 
 
 def test_window_tolerance_sits_below_each_dtypes_rounding():

@@ -131,15 +131,19 @@ def store_wu(spec_name: str, *, N: int, HV: int, per_channel: bool = False) -> b
 MIN_PIECE_CHUNKS = 32
 
 
-def state_pieces(spec_name: str, *, N: int, HV: int, V: int, BV: int, T: int, BT: int) -> int:
-    """How many pieces the forward state pass cuts each of ``N`` padded sequences into (1: none).
+def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, value_tile) -> int:
+    """How many pieces the state pass cuts each of ``N`` padded sequences into (1: none).
 
     The pass runs one program per sequence, value head and value tile along the whole sequence: with
     fewer programs than SMs most of the GPU idles on its sequential chain ((1, 32768, 32, 32): 64
     programs on 132 SMs). Cut into pieces, it runs up to two programs per SM, each piece starting from
-    a walk back over the chunks before it that stops once their transitions' norm is at most
-    :func:`window_log_tolerance` (stages/state.py.j2). ``override(spec, "state_pieces", value=n)``
-    forces n (tests, the tuner); on CPU the default is 1.
+    a walk over the chunks beside it that stops once their transitions' norm is at most
+    :func:`window_log_tolerance` (stages/state.py.j2, stages/backward_state.py.j2). ``value_tile(n)``:
+    the pass's value tile BV for a launch over n sequences (tiles depend on it). The count is a power
+    of two, the largest whose programs fit two per SM, and no piece is shorter than
+    :data:`MIN_PIECE_CHUNKS` chunks (H200, K=V=128, bf16: 3 and 5 pieces ran slower than 2 and 4 at
+    (1,32768,32,32); 4 and 8 were best at 32 x 64 and 32 x 8 programs - benchmarks/NOTES.md, stop 25).
+    ``override(spec, "state_pieces", value=n)`` forces n (tests, the tuner); on CPU the default is 1.
     """
     forced = _OVERRIDES.get((spec_name, "state_pieces"))
     if forced is not None:
@@ -149,14 +153,17 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, BV: int, T: int, BT
     if device is None:
         return 1
     sms = device.sm_count or SM_COUNT_H200
-    programs = N * HV * -(-V // BV)
-    if programs >= sms:
+
+    def programs(pieces: int) -> int:
+        return N * pieces * HV * -(-V // value_tile(N * pieces))
+
+    if programs(1) >= sms:
         return 1
-    # a power of two: the pieces' programs then fill whole waves of two per SM (H200, K=V=128, bf16:
-    # 3 and 5 pieces ran slower than 2 and 4 at (1,32768,32,32); 4 and 8 were best at 32 x 64 and
-    # 32 x 8 programs - benchmarks/NOTES.md, stop 25)
-    most = min(2 * sms // programs, -(-T // BT) // MIN_PIECE_CHUNKS)
-    return 1 << (most.bit_length() - 1) if most > 1 else 1
+    most = min(2 * sms // (N * HV), -(-T // BT) // MIN_PIECE_CHUNKS)
+    pieces = 1 << (most.bit_length() - 1) if most > 1 else 1
+    while pieces > 1 and programs(pieces) > 2 * sms:
+        pieces //= 2
+    return pieces
 
 
 def window_log_tolerance(dtype: torch.dtype) -> float:
