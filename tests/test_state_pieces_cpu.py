@@ -109,3 +109,21 @@ def test_piece_count_fills_the_sms_only_where_programs_are_few():
 def test_window_tolerance_sits_below_each_dtypes_rounding():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert torch.finfo(dtype).eps / 1000 < torch.tensor(window_log_tolerance(dtype)).exp() < torch.finfo(dtype).eps / 100
+
+
+def _grads(name, pieces, seed=9, **shape):
+    """Output and every gradient (dh0 included) of the op, against autograd through float64."""
+    from gdngen.selfcheck import gradient_errors
+    with override(name, "state_pieces", value=pieces), poisoned_memory():
+        return gradient_errors(name, {}, chunk_size=16, dtype=torch.float32, seed=seed, **shape)
+
+
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+@pytest.mark.parametrize("pieces,T", [(2, 200), (3, 480)])
+def test_reverse_pass_in_pieces_matches_the_reference(name, pieces, T):
+    # the reverse state pass in pieces: each piece's end gradient from a walk over the chunks after it
+    # (~11 chunks of 16 tokens at fp32: at T=200 every walk reaches the sequence end and its final
+    # gradient, at T=480 the first piece's walk stops short of it)
+    errors = _grads(name, pieces, B=2, T=T, H=1, HV=2, K=16, V=16)
+    assert set(errors) >= {"o", "q", "k", "v", "g", "initial_state"}
+    assert max(errors.values()) <= 1e-4, errors
