@@ -100,6 +100,11 @@ def test_piece_count_fills_the_sms_only_where_programs_are_few():
         # short sequences: no piece shorter than 32 chunks
         assert call(1, 8, 4096) == 2
         assert call(1, 8, 2048) == 1
+        # the reverse pass engages only below half the SMs
+        assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, T=4096, BT=64, value_tile=lambda n: 32,
+                            engage_below=0.5) == 1
+        assert state_pieces("gated_delta_rule", N=1, HV=8, V=128, T=32768, BT=64, value_tile=lambda n: 64,
+                            engage_below=0.5) == 16
         with override("gated_delta_rule", "state_pieces", value=3):
             assert call(4, 32, 8192) == 3
     with use_device(None):

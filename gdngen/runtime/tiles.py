@@ -131,7 +131,8 @@ def store_wu(spec_name: str, *, N: int, HV: int, per_channel: bool = False) -> b
 MIN_PIECE_CHUNKS = 32
 
 
-def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, value_tile) -> int:
+def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, value_tile,
+                 engage_below: float = 1.0) -> int:
     """How many pieces the state pass cuts each of ``N`` padded sequences into (1: none).
 
     The pass runs one program per sequence, value head and value tile along the whole sequence: with
@@ -143,7 +144,10 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
     of two, the largest whose programs fit two per SM, and no piece is shorter than
     :data:`MIN_PIECE_CHUNKS` chunks (H200, K=V=128, bf16: 3 and 5 pieces ran slower than 2 and 4 at
     (1,32768,32,32); 4 and 8 were best at 32 x 64 and 32 x 8 programs - benchmarks/NOTES.md, stop 25).
-    ``override(spec, "state_pieces", value=n)`` forces n (tests, the tuner); on CPU the default is 1.
+    ``engage_below``: cut only where the unsplit pass has fewer programs than this fraction of the
+    SMs (the reverse pass passes 0.5: at (1,32768,32,32) its 4096-token time segments have 128
+    programs, and 2 pieces each made it slower, 836 -> 955 us). ``override(spec, "state_pieces",
+    value=n)`` forces n (tests, the tuner); on CPU the default is 1.
     """
     forced = _OVERRIDES.get((spec_name, "state_pieces"))
     if forced is not None:
@@ -157,7 +161,7 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
     def programs(pieces: int) -> int:
         return N * pieces * HV * -(-V // value_tile(N * pieces))
 
-    if programs(1) >= sms:
+    if programs(1) >= sms * engage_below:
         return 1
     most = min(2 * sms // (N * HV), -(-T // BT) // MIN_PIECE_CHUNKS)
     pieces = 1 << (most.bit_length() - 1) if most > 1 else 1
