@@ -132,3 +132,23 @@ def test_reverse_pass_in_pieces_matches_the_reference(name, pieces, T):
     errors = _grads(name, pieces, B=2, T=T, H=1, HV=2, K=16, V=16)
     assert set(errors) >= {"o", "q", "k", "v", "g", "initial_state"}
     assert max(errors.values()) <= 1e-4, errors
+
+
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_forward_nothing_differentiates_writes_its_output_in_the_state_pass(name, pieces):
+    """No input requires grad: the state pass computes the output itself (no output stage, no
+    chunk-start states kept); with grad the op keeps them. Same outputs either way."""
+    from gdngen.runtime.tiles import record_stages
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    inputs = make_inputs(spec, B=2, T=200, H=1, HV=2, K=16, V=16, seed=10)
+    with override(name, "state_pieces", value=pieces), poisoned_memory():
+        with record_stages() as fused_stages:
+            o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=16)
+        leaves = {n: x.clone().requires_grad_(True) if n in ("q", "k", "v") else x for n, x in inputs.items()}
+        with record_stages() as kept_stages:
+            o_kept, ht_kept = call(module, spec, leaves, output_final_state=True, chunk_size=16)
+    assert "output" not in fused_stages and "output" in kept_stages
+    assert rel_rmse(o, o_kept.detach()) <= 1e-6 and torch.equal(ht, ht_kept.detach())
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= 1e-5 and rel_rmse(ht, ht_ref) <= 1e-5

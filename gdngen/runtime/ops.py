@@ -7,6 +7,8 @@ travels as an empty tensor (:func:`absent`) and the Python side maps it back to 
 """
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -87,3 +89,28 @@ def sum_head_groups(x: torch.Tensor, H: int, out: Optional[torch.Tensor] = None)
     if out is None:
         return total.to(x.dtype)
     return out.copy_(total)
+
+
+# Whether the forward op keeps its chunk-start states for a backward. A call that nothing will
+# differentiate (grad mode off, or no input requiring grad) clears it, and specs whose state pass
+# can write the output itself then skip the states' and V_new's round trips through memory.
+_KEEP_STATES: contextvars.ContextVar = contextvars.ContextVar("gdngen_keep_states", default=True)
+
+
+@contextmanager
+def keeping_states(keep: bool):
+    """Inside the block the forward ops keep (True) or drop (False) what a backward would need."""
+    token = _KEEP_STATES.set(bool(keep))
+    try:
+        yield
+    finally:
+        _KEEP_STATES.reset(token)
+
+
+def states_kept() -> bool:
+    return _KEEP_STATES.get()
+
+
+def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Grad mode is on and some tensor requires grad: a backward may follow."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
