@@ -143,6 +143,9 @@ def test_a_forward_nothing_differentiates_writes_its_output_in_the_state_pass(na
     spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
     inputs = make_inputs(spec, B=2, T=200, H=1, HV=2, K=16, V=16, seed=10)
     with override(name, "state_pieces", value=pieces), poisoned_memory():
+        with override(name, "fused_output", value=False), record_stages() as unfused_stages:
+            o_unfused, _ = call(module, spec, inputs, output_final_state=True, chunk_size=16)
+        assert "output" in unfused_stages and rel_rmse(o_unfused, reference_outputs(spec, inputs)[0]) <= 1e-5
         with record_stages() as fused_stages:
             o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=16)
         leaves = {n: x.clone().requires_grad_(True) if n in ("q", "k", "v") else x for n, x in inputs.items()}
@@ -152,3 +155,12 @@ def test_a_forward_nothing_differentiates_writes_its_output_in_the_state_pass(na
     assert rel_rmse(o, o_kept.detach()) <= 1e-6 and torch.equal(ht, ht_kept.detach())
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_ref) <= 1e-5 and rel_rmse(ht, ht_ref) <= 1e-5
+
+
+def test_the_output_is_fused_only_into_short_passes():
+    from gdngen.runtime.tiles import fused_output
+    assert fused_output("gated_delta_rule", B=8, T=2048, HV=16)          # host-bound: one launch fewer
+    assert fused_output("gated_delta_rule", B=1, T=32768, HV=8)
+    assert not fused_output("gated_delta_rule", B=1, T=32768, HV=32)     # the fused chain is slower there
+    with override("gated_delta_rule", "fused_output", value=True):
+        assert fused_output("gated_delta_rule", B=1, T=32768, HV=32)

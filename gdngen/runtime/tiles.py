@@ -170,6 +170,23 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
     return pieces
 
 
+# Token-heads (B * T * HV) up to which a forward nothing differentiates computes its output in the
+# state pass (H200, K=V=128, bf16, stop 25 call 6): the fused pass ran no faster on the GPU (its chain
+# holds the output's products: (1,32768,32,32) 1021 us against 968 for state + output, (1,131072,16,32)
+# +4%, (1,32768,2,8) -3%), but it is one launch fewer, which is what a host-bound call pays for:
+# (8,2048,16,16) 0.567 -> 0.382 ms.
+FUSED_OUTPUT_MAX_TOKEN_HEADS = 1 << 19
+
+
+def fused_output(spec_name: str, *, B: int, T: int, HV: int) -> bool:
+    """Whether a forward that keeps no states for a backward lets its state pass write the output
+    (:data:`FUSED_OUTPUT_MAX_TOKEN_HEADS`); ``override(spec, "fused_output", value=...)`` forces it."""
+    forced = _OVERRIDES.get((spec_name, "fused_output"))
+    if forced is not None:
+        return bool(forced["value"])
+    return B * T * HV <= FUSED_OUTPUT_MAX_TOKEN_HEADS
+
+
 def window_log_tolerance(dtype: torch.dtype) -> float:
     """The log of the largest share of an older state a piece's walk back may drop: 400x below the
     unit roundoff of the inputs' dtype (bf16 ~2.0e-5, fp16 ~2.4e-6, fp32 ~3.0e-10)."""
