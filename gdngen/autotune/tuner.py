@@ -294,7 +294,10 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
     vector = _space.per_channel(spec)
 
     def default_run(inputs, BT):
-        return fn(**inputs, output_final_state=True, chunk_size=BT)
+        # the forward as training and long prefills launch it: a short inference call's state pass
+        # may write the output itself (tiles.fused_output), which would leave the output stage untuned
+        with override(spec.name, "fused_output", value=False):
+            return fn(**inputs, output_final_state=True, chunk_size=BT)
 
     def stage_candidates(stage, case, BT, sizes):
         return _space.candidates(stage, K=case.K, V=case.V, BT=BT, dtype=case.dtype,
