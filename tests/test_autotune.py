@@ -149,6 +149,35 @@ def test_lookups_read_each_file_once(monkeypatch):
     assert len(reads) == 2                      # the user file and the (missing) shipped file
 
 
+def test_tiles_memo_resolves_each_shape_once_and_follows_every_change(isolated_cache, monkeypatch):
+    """tiles() answers a repeated launch shape from its memo; an override, a cache write, another
+    device or cache folder still change the answer at once."""
+    calls = []
+    original = cache.lookup
+    monkeypatch.setattr(cache, "lookup", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    with use_device(H200):
+        for _ in range(20):
+            assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == default_tiles("state", **SHAPE)
+        assert len(calls) == 1
+        mine = tiles(SPEC, "state", H=16, T=8192, **SHAPE)
+        mine["BV"] = 999                                          # the caller's copy, not the memo's
+        assert tiles(SPEC, "state", H=16, T=8192, **SHAPE)["BV"] != 999
+        with override(SPEC, "state", num_warps=2):                # an override after a memoised answer
+            assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == dict(default_tiles("state", **SHAPE), num_warps=2)
+        assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == default_tiles("state", **SHAPE)
+        cache.write_entries(H200, {key("state"): entry(state_cfg(bv=16))})   # a tuning run writes the cache
+        assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == state_cfg(bv=16)
+        assert tiles(SPEC, "state", H=16, T=100, **SHAPE) == default_tiles("state", **SHAPE)   # short: no entry
+    with use_device(H100):                                        # another device: its own answer
+        assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == default_tiles("state", **SHAPE)
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(isolated_cache / "elsewhere"))   # another cache folder
+    with use_device(H200):
+        assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == default_tiles("state", **SHAPE)
+    monkeypatch.setenv("GDNGEN_CACHE_DIR", str(isolated_cache / "cache"))
+    with use_device(H200):
+        assert tiles(SPEC, "state", H=16, T=8192, **SHAPE) == state_cfg(bv=16)
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 2, "device": "NVIDIA H200",
                                                               "capability": [9, 0], "entries": {}}),
                                      json.dumps({"format": 1, "device": "NVIDIA H200", "capability": [9, 0],

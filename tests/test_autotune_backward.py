@@ -170,6 +170,25 @@ def test_backward_fallback_chain_override_user_shipped_default(isolated_cache):
         assert backward_tiles("intra", **lookup_args()) == default_backward_tiles("intra", **SHAPE)
 
 
+def test_backward_tiles_memo_follows_overrides_cache_writes_and_devices(monkeypatch):
+    calls = []
+    original = cache.lookup
+    monkeypatch.setattr(cache, "lookup", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    state = {"BK": 128, "BV": 16, "num_warps": 4, "num_stages": 3}
+    with use_device(H200):
+        for _ in range(20):
+            assert backward_tiles("state", **lookup_args()) == default_backward_tiles("state", **SHAPE)
+        assert len(calls) == 1
+        backward_tiles("state", **lookup_args())["BV"] = 999     # the caller's copy, not the memo's
+        with override_backward("state", num_warps=8):             # an override after a memoised answer
+            assert backward_tiles("state", **lookup_args())["num_warps"] == 8
+        assert backward_tiles("state", **lookup_args()) == default_backward_tiles("state", **SHAPE)
+        cache.write_entries(H200, {key("state_bwd"): entry(state)})
+        assert backward_tiles("state", **lookup_args()) == state
+    with use_device(None):                                        # CPU: never consulted
+        assert backward_tiles("state", **lookup_args()) == default_backward_tiles("state", **SHAPE)
+
+
 @pytest.mark.parametrize("stage,config", [
     ("state_bwd", {"BK": 128, "BV": 32, "num_warps": 4, "num_stages": 1}),      # illegal accesses on the H200
     ("state_bwd", {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 2}),       # would drop key rows

@@ -220,10 +220,36 @@ def _table(path: Path, device: DeviceInfo, shipped: bool) -> Optional[_Table]:
     return table
 
 
+# Memos of answers built on lookups (gdngen.runtime.tiles' per-launch configs): emptied with _RESOLVED
+_DEPENDENT_MEMOS: list[dict] = []
+
+
+def dependent_memo() -> dict:
+    """A dict for memoised answers that depend on lookups: emptied whenever the lookups' memo is
+    (:func:`clear_memo`, :func:`write_entries`)."""
+    memo: dict = {}
+    _DEPENDENT_MEMOS.append(memo)
+    return memo
+
+
+def _forget_resolved() -> None:
+    _RESOLVED.clear()
+    for memo in _DEPENDENT_MEMOS:
+        memo.clear()
+
+
+def lookup_context() -> tuple:
+    """What a lookup's answer depends on beyond its arguments and the files: ``(device, cache folder
+    or None)``, the folder only with a device (without one nothing is looked up). A caller making
+    several launches takes it once per call and hands it to each (``tiles(..., context=)``)."""
+    device = current_device()
+    return (device, os.environ.get("GDNGEN_CACHE_DIR")) if device is not None else (None, None)
+
+
 def clear_memo() -> None:
     """Forget loaded files, resolved launches and given warnings (after writing a cache, in tests)."""
     _TABLES.clear()
-    _RESOLVED.clear()
+    _forget_resolved()
     _SPEC_HASHES.clear()
     _WARNED.clear()
 
@@ -368,7 +394,7 @@ def write_entries(device: DeviceInfo, entries: dict[str, dict], *,
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, path)
     _TABLES.pop(str(path), None)
-    _RESOLVED.clear()
+    _forget_resolved()
     return path
 
 
@@ -379,5 +405,5 @@ def make_entry(config: dict, *, spec_hash: str, **extra) -> dict:
 
 
 __all__ = ["ADVICE_STAGES", "RECURRENT_STAGE", "SPLIT_STAGE", "CacheWarning", "FORMAT", "SHORT_T", "cache_dir", "chunk_size_hint", "clear_memo",
-           "entry_key", "lookup", "make_entry", "par_bucket", "segments_hint", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
+           "dependent_memo", "entry_key", "lookup_context", "lookup", "make_entry", "par_bucket", "segments_hint", "shape_class", "shipped_path", "spec_hash_for", "t_bucket",
            "user_cache_path", "write_entries", "STAGES"]

@@ -67,10 +67,15 @@ def sanitise(name: str) -> str:
 
 _PROBE: Optional[Callable[[], Optional[DeviceInfo]]] = None
 _DETECTED: dict[int, DeviceInfo] = {}
+_CUDA_AVAILABLE: list = []       # torch.cuda.is_available(), asked once: every launch asks for the device
 
 
 def _detect() -> Optional[DeviceInfo]:
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if not _CUDA_AVAILABLE:
+        _CUDA_AVAILABLE.append(torch.cuda.is_available())
+    if not _CUDA_AVAILABLE[0]:
         return None
     index = torch.cuda.current_device()
     info = _DETECTED.get(index)

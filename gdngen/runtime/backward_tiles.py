@@ -31,10 +31,11 @@ import torch
 
 from gdngen.autotune import cache as _cache
 from gdngen.runtime.launch import next_pow2
-from gdngen.runtime.tiles import _RECORDERS, SM_COUNT_H200
+from gdngen.runtime.tiles import _RECORDERS, MEMO_LIMIT, SM_COUNT_H200
 
 STAGES = ("wy_prep", "intra", "state", "chunk", "wy", "wy_decay")
 _OVERRIDES: dict[str, dict] = {}
+_ANSWERS = _cache.dependent_memo()     # launch shape, device, cache folder -> backward_tiles() without overrides
 
 
 def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
@@ -134,27 +135,49 @@ def _problem(stage: str, config: dict, K: int) -> Optional[str]:
 
 def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
                    spec_name: Optional[str] = None, H: Optional[int] = None, T: Optional[int] = None,
-                   spec_hash: Optional[str] = None, per_channel: bool = False) -> dict:
+                   spec_hash: Optional[str] = None, per_channel: bool = False,
+                   context: Optional[tuple] = None) -> dict:
     """BK / BV / num_warps / num_stages for one launch of backward ``stage``.
 
     The defaults, with an :func:`override_backward` for ``stage`` merged over them, else (given
     ``spec_name``, on a GPU) the tuned cache entry for this shape class. ``H``, ``T`` (only its
     short/long bucket) and ``spec_hash`` make the cache match exactly, as for ``tiles``. A bad
     override raises ValueError naming the key; a bad cache entry is ignored with a warning.
+    ``context``: ``gdngen.autotune.cache.lookup_context()`` taken once per call, as for ``tiles``.
     """
     for recorder in _RECORDERS:
         recorder.append(stage + "_bwd")
-    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
     forced = _OVERRIDES.get(stage)
     if forced is not None:
+        config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
         config.update(forced)
         problem = _problem(stage, config, K)
         if problem:
             raise ValueError(problem)
         return config
-    if spec_name is not None:
+    # memoised per launch shape, device and cache folder, like tiles() (T only through the cache's bucket)
+    if context is None:
+        context = _cache.lookup_context()
+    key = (stage, K, V, BT, N, HV, dtype, spec_name, H, None if T is None else T <= _cache.SHORT_T, spec_hash,
+           per_channel, context)
+    config = _ANSWERS.get(key)
+    if config is None:
+        config = _resolve(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, spec_name=spec_name, H=H, T=T,
+                          spec_hash=spec_hash, per_channel=per_channel, context=context)
+        if len(_ANSWERS) >= MEMO_LIMIT:
+            _ANSWERS.clear()
+        _ANSWERS[key] = config
+    return dict(config)          # the caller's own copy: the memo stays as it was
+
+
+def _resolve(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype, spec_name: Optional[str],
+             H: Optional[int], T: Optional[int], spec_hash: Optional[str], per_channel: bool, context: tuple) -> dict:
+    """backward_tiles' answer without an override: the tuned entry over the defaults, when it is safe."""
+    config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
+    device = context[0]
+    if spec_name is not None and device is not None:
         chosen = _cache.lookup(spec_name, stage + "_bwd", K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
-                               spec_hash=spec_hash)
+                               spec_hash=spec_hash, device=device)
         if chosen:
             tuned = {**config, **chosen}
             problem = _problem(stage, tuned, K)

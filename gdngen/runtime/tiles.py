@@ -10,6 +10,9 @@ Every launch asks :func:`tiles` for its stage's launch parameters. The answer co
 
 Steps 2-3 apply only on a GPU (never to CPU tensors under the interpreter), read each file once
 per process, and resolve each launch shape once; nothing is tuned inside a call (`gdngen tune`).
+Steps 2-4 are memoised per launch shape and device (every launch asks: the host time of a call is
+the point), and forgotten with the lookups' memo (``gdngen.autotune.cache.clear_memo``, a cache
+write); an override is applied afresh on every call, so it takes effect at once and ends cleanly.
 """
 from __future__ import annotations
 
@@ -20,10 +23,13 @@ from typing import Optional
 import torch
 
 from gdngen.autotune import cache as _cache
+from gdngen.autotune.device import current_device
 from gdngen.runtime.launch import next_pow2
 
 _OVERRIDES: dict[tuple[str, str], dict] = {}
 _RECORDERS: list[list] = []
+_ANSWERS = _cache.dependent_memo()     # launch shape, device, cache folder -> tiles() without overrides
+MEMO_LIMIT = 4096                      # shapes kept before the memo starts over (varlen meets many N)
 
 
 SM_COUNT_H200 = 132
@@ -65,7 +71,7 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         # Triton 3.6). Two stages otherwise, never one: a one-stage state pass hit an illegal
         # memory access on the H200 (GDN bf16 K=128, stop 19 sweep; the backward's since stop 15).
         # At float32 K=256 (BV=16) two stages compile to 149 / 217 / 197 KiB for GDN / kda / gla.
-        row_bytes = pk * torch.empty((), dtype=dtype).element_size()
+        row_bytes = pk * dtype.itemsize
         stages = 3 if row_bytes <= 256 else 2
         return {"BK": pk, "BV": bv, "num_warps": 4, "num_stages": stages}
     if stage == "output":
@@ -152,7 +158,6 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
     forced = _OVERRIDES.get((spec_name, "state_pieces"))
     if forced is not None:
         return max(1, int(forced["value"]))
-    from gdngen.autotune.device import current_device
     device = current_device()
     if device is None:
         return 1
@@ -195,7 +200,7 @@ def window_log_tolerance(dtype: torch.dtype) -> float:
 
 def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
           H: Optional[int] = None, T: Optional[int] = None, spec_hash: Optional[str] = None,
-          per_channel: bool = False) -> dict:
+          per_channel: bool = False, context: Optional[tuple] = None) -> dict:
     """Launch parameters (BK, BV, num_warps, num_stages) for one launch of ``stage``.
 
     ``H`` (query heads), ``T`` (sequence length, only its short/long bucket is used) and
@@ -203,17 +208,33 @@ def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: in
     tuned entry for any H / T bucket of this shape class is used and the hash comes from the
     loaded ``generated.<spec_name>`` module (or the catalogue spec). ``per_channel``: the spec's
     decay is per key channel (its own defaults where that changes the kernel's register needs).
+    ``context``: ``gdngen.autotune.cache.lookup_context()`` taken once by a caller that launches
+    several stages (default: taken here; it reads the device and an environment variable).
     """
     for recorder in _RECORDERS:
         recorder.append(stage)
-    config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
-    chosen = _OVERRIDES.get((spec_name, stage))
-    if chosen is None:
-        chosen = _cache.lookup(spec_name, stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
-                               spec_hash=spec_hash)
-    if chosen:
-        config.update(chosen)
-    return config
+    forced = _OVERRIDES.get((spec_name, stage))
+    if forced is not None:
+        config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
+        config.update(forced)
+        return config
+    if context is None:
+        context = _cache.lookup_context()
+    # T counts only through the cache's short / long bucket
+    key = (spec_name, stage, K, V, BT, N, HV, dtype, H, None if T is None else T <= _cache.SHORT_T, spec_hash,
+           per_channel, context)
+    config = _ANSWERS.get(key)
+    if config is None:
+        config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
+        device = context[0]
+        tuned = _cache.lookup(spec_name, stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
+                              spec_hash=spec_hash, device=device) if device is not None else None
+        if tuned:
+            config.update(tuned)
+        if len(_ANSWERS) >= MEMO_LIMIT:
+            _ANSWERS.clear()
+        _ANSWERS[key] = config
+    return dict(config)          # the caller's own copy: the memo stays as it was
 
 
 @contextmanager
