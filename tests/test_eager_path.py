@@ -49,3 +49,38 @@ def test_public_function_takes_the_eager_path_outside_torch_compile():
                          env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "dynamo imported: False" in out.stdout, out.stdout
+
+
+def test_no_grad_calls_run_the_forward_without_function_apply(monkeypatch):
+    """Where nothing will differentiate the call the public function skips Function.apply (its per-call
+    argument binding and context cost the host ~50 us) and gives the same outputs bit for bit."""
+    q, k, v, g, beta, h0 = _inputs()
+    o, ht = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    assert o.grad_fn is not None
+    applied = []
+    original = gdn._chunk_gated_delta_rule_eager.apply
+    monkeypatch.setattr(gdn._chunk_gated_delta_rule_eager, "apply", lambda *a: applied.append(1) or original(*a))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            o2, ht2 = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                 chunk_size=16)
+        assert o2.grad_fn is None and torch.equal(o2, o.detach()) and torch.equal(ht2, ht.detach())
+    frozen = [x.detach() for x in (q, k, v, g, beta, h0)]                # grad mode, nothing requires grad
+    o3, _ = gdn.chunk_gated_delta_rule(*frozen[:5], initial_state=frozen[5], chunk_size=16)
+    assert o3.grad_fn is None and torch.equal(o3, o.detach())
+    assert applied == []
+    gdn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)       # grad mode: through apply
+    assert applied == [1]
+
+
+def test_forward_mode_ad_still_reaches_function_apply():
+    """Dual tensors require no grad, and forward-mode AD is on under no_grad too: the call must still meet
+    the Function (which has no jvp and says so), never drop the tangent silently."""
+    import pytest
+    import torch.autograd.forward_ad as fwAD
+    q, k, v, g, beta, _ = (x.detach() for x in _inputs())
+    for mode in (torch.no_grad, torch.enable_grad):
+        with mode(), fwAD.dual_level():
+            dual = fwAD.make_dual(q, torch.randn_like(q))
+            with pytest.raises(NotImplementedError, match="jvp"):
+                gdn.chunk_gated_delta_rule(dual, k, v, g, beta, chunk_size=16)

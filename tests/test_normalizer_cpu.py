@@ -195,3 +195,18 @@ def test_normalized_gradients_without_dq():
     want = torch.autograd.grad(o_ref, list(ref.values()), do.double())
     for name, a, b in zip(leaves, got, want):
         assert rel_rmse(a, b) <= 1e-5, f"d{name}: {rel_rmse(a, b):.3e}"
+
+
+def test_normalized_output_under_no_grad_matches_the_autograd_path(monkeypatch):
+    """Under no_grad the chunk op and the normaliser skip their Functions' apply: same bits."""
+    mod = _module()
+    inputs = make_inputs(SPEC, B=1, T=40, H=1, HV=2, K=16, V=16, h0=True, seed=3)
+    leaves = {n: x.float().requires_grad_() for n, x in inputs.items() if n in ("q", "k", "v")}
+    args = {**inputs, **leaves}
+    o, ht = mod.chunk_linear_attn(**args, output_final_state=True, normalize=True, feature_map="elu", chunk_size=16)
+    for name in ("_chunk_linear_attn_eager", "_chunk_linear_attn_normalizer_eager"):
+        monkeypatch.setattr(getattr(mod, name), "apply", lambda *a: pytest.fail("apply under no_grad"))
+    with torch.no_grad():
+        o2, ht2 = mod.chunk_linear_attn(**args, output_final_state=True, normalize=True, feature_map="elu",
+                                        chunk_size=16)
+    assert torch.equal(o2, o.detach()) and torch.equal(ht2, ht.detach())

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 
 def absent(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -22,6 +23,22 @@ def absent(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Ten
 def present(x: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
     """Map an op output back to the Python API: ``x`` when it was asked for, else None."""
     return x if wanted else None
+
+
+def needs_autograd_function(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether an eager op call over ``tensors`` must go through its ``torch.autograd.Function``: a
+    backward may follow (grad mode on and some tensor requires grad), or a forward-mode AD level or a
+    ``torch.func`` transform is active (apply then raises for the missing jvp or runs the transform's
+    rule; dual tensors do not require grad, so without this check their tangents would be dropped
+    silently). Otherwise apply would only run the forward, after binding its arguments and saving a
+    context nobody reads: 40-50 us of host time per call (CPU, benchmarks/host_profile_cpu.py).
+    Torch internals this cannot read count as active."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    transforms = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if transforms is None or transforms():
+        return True
+    return getattr(_forward_ad, "_current_level", 0) >= 0
 
 
 def reference_grads(forward: Callable, inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool],
@@ -109,8 +126,3 @@ def keeping_states(keep: bool):
 
 def states_kept() -> bool:
     return _KEEP_STATES.get()
-
-
-def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    """Grad mode is on and some tensor requires grad: a backward may follow."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
