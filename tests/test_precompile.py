@@ -103,3 +103,23 @@ def test_disabled_by_environment(monkeypatch):
     assert precompile.enabled(x) is False
     monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "1")
     assert precompile.enabled(x) is True
+
+
+def test_a_seen_shape_class_returns_before_the_environment_checks(monkeypatch):
+    """Every call after a shape class's first (the steady state) ends on the key, without enabled()'s
+    environment reads; a new shape class still asks."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(precompile, "compile_ahead", lambda key, run, device: precompile._DONE.add(key) or True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked = []
+    monkeypatch.setattr(precompile, "enabled", lambda t: asked.append(1) or True)
+    precompile.forget()
+    try:
+        x = torch.zeros(3)
+        assert precompile.compile_first_call("op", (x, None), (1,), lambda: None) is True
+        assert [precompile.compile_first_call("op", (x, None), (1,), lambda: None) for _ in range(3)] == [False] * 3
+        assert asked == [1]
+        assert precompile.compile_first_call("op", (torch.zeros(4), None), (1,), lambda: None) is True
+        assert asked == [1, 1]
+    finally:
+        precompile.forget()

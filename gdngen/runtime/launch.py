@@ -8,7 +8,7 @@ import torch
 
 def check_backend(x: torch.Tensor) -> None:
     """Triton kernels run compiled on CUDA tensors, or under TRITON_INTERPRET=1 on CPU tensors."""
-    if x.device.type == "cuda":
+    if x.is_cuda:                   # (x.device builds a device object: 4x the time)
         return
     if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         return

@@ -122,16 +122,24 @@ KEYS_PER_OP = 64
 _KEYS_SEEN: dict[str, int] = {}
 
 
+def _key(op: str, tensors: tuple, options: tuple) -> tuple:
+    # torch.Size hashes and compares as the tuple of its sizes
+    return (op, tuple([None if t is None else (t.dtype, t.shape, t.data_ptr() % 16 == 0) for t in tensors]),
+            tuple(options))
+
+
 def compile_first_call(op: str, tensors: tuple, options: tuple, run: Callable[[], object]) -> bool:
     """``compile_ahead`` keyed by what Triton specialises on: each tensor's dtype, shape and 16-byte
     alignment (None for an absent one) and the op's options. ``tensors[0]`` must be a tensor.
 
     Returns True when it compiled ahead (a first call), False otherwise."""
     first = tensors[0]
+    # every call after a shape class's first ends here, before enabled()'s environment reads
+    if first.is_cuda and not torch.compiler.is_compiling() and _key(op, tensors, options) in _DONE:
+        return False
     if not enabled(first):
         return False
-    key = (op, tuple(None if t is None else (t.dtype, tuple(t.shape), t.data_ptr() % 16 == 0) for t in tensors),
-           tuple(options))
+    key = _key(op, tensors, options)
     if key in _DONE or _KEYS_SEEN.get(op, 0) >= KEYS_PER_OP:
         return False
     _KEYS_SEEN[op] = _KEYS_SEEN.get(op, 0) + 1
