@@ -224,10 +224,28 @@ def _table(path: Path, device: DeviceInfo, shipped: bool) -> Optional[_Table]:
 _DEPENDENT_MEMOS: list[dict] = []
 
 
-def dependent_memo() -> dict:
-    """A dict for memoised answers that depend on lookups: emptied whenever the lookups' memo is
-    (:func:`clear_memo`, :func:`write_entries`)."""
-    memo: dict = {}
+class DependentMemo(dict):
+    """Memoised launch answers that depend on lookups: emptied whenever the lookups' memo is
+    (:func:`clear_memo`, :func:`write_entries`), and when it holds ``limit`` keys (varlen meets many N)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def answer(self, key, compute) -> dict:
+        """The caller's own copy of the answer for ``key``, computed by ``compute()`` the first time."""
+        config = self.get(key)
+        if config is None:
+            config = compute()
+            if len(self) >= self.limit:
+                self.clear()
+            self[key] = config
+        return dict(config)
+
+
+def dependent_memo(limit: int = 4096) -> DependentMemo:
+    """A :class:`DependentMemo`, registered to be emptied with the lookups' memo."""
+    memo = DependentMemo(limit)
     _DEPENDENT_MEMOS.append(memo)
     return memo
 

@@ -35,7 +35,7 @@ from gdngen.runtime.tiles import _RECORDERS, MEMO_LIMIT, SM_COUNT_H200
 
 STAGES = ("wy_prep", "intra", "state", "chunk", "wy", "wy_decay")
 _OVERRIDES: dict[str, dict] = {}
-_ANSWERS = _cache.dependent_memo()     # launch shape, device, cache folder -> backward_tiles() without overrides
+_ANSWERS = _cache.dependent_memo(MEMO_LIMIT)     # launch shape, device, cache folder -> backward_tiles() without overrides
 
 
 def default_backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
@@ -160,14 +160,9 @@ def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtyp
         context = _cache.lookup_context()
     key = (stage, K, V, BT, N, HV, dtype, spec_name, H, None if T is None else T <= _cache.SHORT_T, spec_hash,
            per_channel, context)
-    config = _ANSWERS.get(key)
-    if config is None:
-        config = _resolve(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, spec_name=spec_name, H=H, T=T,
-                          spec_hash=spec_hash, per_channel=per_channel, context=context)
-        if len(_ANSWERS) >= MEMO_LIMIT:
-            _ANSWERS.clear()
-        _ANSWERS[key] = config
-    return dict(config)          # the caller's own copy: the memo stays as it was
+    return _ANSWERS.answer(key, lambda: _resolve(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, spec_name=spec_name,
+                                                 H=H, T=T, spec_hash=spec_hash, per_channel=per_channel,
+                                                 context=context))
 
 
 def _resolve(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype, spec_name: Optional[str],

@@ -28,8 +28,8 @@ from gdngen.runtime.launch import next_pow2
 
 _OVERRIDES: dict[tuple[str, str], dict] = {}
 _RECORDERS: list[list] = []
-_ANSWERS = _cache.dependent_memo()     # launch shape, device, cache folder -> tiles() without overrides
 MEMO_LIMIT = 4096                      # shapes kept before the memo starts over (varlen meets many N)
+_ANSWERS = _cache.dependent_memo(MEMO_LIMIT)   # launch shape, device, cache folder -> tiles() without overrides
 
 
 SM_COUNT_H200 = 132
@@ -223,18 +223,17 @@ def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: in
     # T counts only through the cache's short / long bucket
     key = (spec_name, stage, K, V, BT, N, HV, dtype, H, None if T is None else T <= _cache.SHORT_T, spec_hash,
            per_channel, context)
-    config = _ANSWERS.get(key)
-    if config is None:
+
+    def resolve():
         config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
         device = context[0]
         tuned = _cache.lookup(spec_name, stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
                               spec_hash=spec_hash, device=device) if device is not None else None
         if tuned:
             config.update(tuned)
-        if len(_ANSWERS) >= MEMO_LIMIT:
-            _ANSWERS.clear()
-        _ANSWERS[key] = config
-    return dict(config)          # the caller's own copy: the memo stays as it was
+        return config
+
+    return _ANSWERS.answer(key, resolve)
 
 
 @contextmanager
