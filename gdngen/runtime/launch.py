@@ -35,6 +35,20 @@ def dot_precision(dtype: torch.dtype, float32_operands: str = "tf32") -> str:
     return "ieee" if dtype == torch.float32 else float32_operands
 
 
+def solve_precision(input_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
+    """``input_precision`` of the wy stage's triangular-solve products, which act on float32 blocks.
+
+    Where the solve's result is rounded to a 16-bit dtype (T, or W and U, stored in the 16-bit
+    inputs' dtype) one TF32 pass is enough: on the H200 (gated_delta_rule, K=V=128, chunk 64) it
+    left T 9.4e-5 from a float64 inverse against 1.5e-8 for "ieee", below bf16's (~2e-3) and fp16's
+    (~3e-4) own rounding of T, and ran the stage 2.3x faster (481 -> 210 us at (1,32768,32,32):
+    tensor cores instead of CUDA-core FMAs; "tf32x3" ran 510 us - benchmarks/NOTES.md, stop 26).
+    A float32 result (float32 inputs, ``dtypes.intermediates: float32``, the backward's recomputed
+    T) keeps "ieee"."""
+    half = (torch.bfloat16, torch.float16)
+    return "tf32" if input_dtype in half and out_dtype in half else "ieee"
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

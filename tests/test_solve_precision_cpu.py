@@ -1,0 +1,57 @@
+"""The wy stage's triangular solve runs its products at TF32 only where its result is rounded to 16 bits."""
+import importlib
+
+import pytest
+import torch
+
+from gdngen.runtime import solve_precision
+from gdngen.selfcheck import make_inputs
+from gdngen.spec import catalogue, load_spec
+
+
+def test_rule():
+    assert solve_precision(torch.bfloat16, torch.bfloat16) == "tf32"
+    assert solve_precision(torch.float16, torch.float16) == "tf32"
+    # a float32 result keeps exact float32 products, whatever the inputs
+    assert solve_precision(torch.bfloat16, torch.float32) == "ieee"
+    assert solve_precision(torch.float32, torch.float32) == "ieee"
+
+
+class _Recorder:
+    """Stands in for a kernel dict entry: records each launch's keyword arguments, then launches."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append((args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("name", ["gated_delta_rule", "kda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wy_launches_carry_the_rule(name, dtype, monkeypatch):
+    """Every wy launch of a forward and backward passes SOLVE_PRECISION by the dtype of what it writes
+    (T, or W when the stage writes W and U)."""
+    spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
+    module = importlib.import_module(f"generated.{name}")
+    seen = []
+    kernels = {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_KERNELS.items()}
+    monkeypatch.setattr(module, "_WY_KERNELS", kernels)
+    inputs = make_inputs(spec, B=1, T=40, H=2, HV=2, K=32, V=32, dtype=dtype, h0=True)
+    for x in inputs.values():
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            x.requires_grad_(True)
+    o, ht = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=16)
+    (o.sum() + ht.sum()).backward()
+    assert seen
+    for args, kwargs in seen:
+        tmat, w = args[4 if name == "gated_delta_rule" else 5], args[5 if name == "gated_delta_rule" else 6]
+        written = tmat if tmat is not None else w
+        assert kwargs["SOLVE_PRECISION"] == solve_precision(dtype, written.dtype)
+    if dtype == torch.float32:
+        assert {kw["SOLVE_PRECISION"] for _, kw in seen} == {"ieee"}
+    else:
+        assert "tf32" in {kw["SOLVE_PRECISION"] for _, kw in seen}
