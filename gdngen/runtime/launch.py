@@ -210,6 +210,8 @@ class FastLaunch:
         self._plain_signature = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in kernel.signature.parameters.values())
         self._shapes = {}
         self._cache = {}
+        self.misses = 0                 # launches through Triton that filled (or could not fill) the cache
+        self.fallbacks = 0              # launches through Triton because the cached path did not apply
         self._get_device = None         # Triton's driver functions, taken at the first launch
         self._get_stream = None
         self._runtime_knobs = knobs.runtime
@@ -227,6 +229,10 @@ class FastLaunch:
 
     def _launch_plain(self, grid, args, kwargs):
         return self.kernel[grid](*args, **kwargs)
+
+    def _fallback(self, grid, args, kwargs):
+        self.fallbacks += 1
+        return self._launch_plain(grid, args, kwargs)
 
     def _plain_needed(self) -> bool:
         """Anything that makes this call take Triton's own path, checked per call (cheap reads)."""
@@ -306,11 +312,11 @@ class FastLaunch:
 
     def _launch(self, grid, *args, **kwargs):
         if not _enabled or type(grid) is not tuple or self._plain_needed():
-            return self._launch_plain(grid, args, kwargs)
+            return self._fallback(grid, args, kwargs)
         form = (len(args), *kwargs)
         shape = self._shape(form)
         if shape is None:
-            return self._launch_plain(grid, args, kwargs)
+            return self._fallback(grid, args, kwargs)
         bound = self._bind(shape, args, kwargs)
         get_device = self._get_device
         if get_device is None:
@@ -331,6 +337,7 @@ class FastLaunch:
 
     def _miss(self, grid, args, kwargs, key):
         """Launch through Triton, then keep what it launched under ``key`` (None: keep nothing)."""
+        self.misses += 1
         compiled = self._launch_plain(grid, args, kwargs)
         if key is None:
             return compiled
