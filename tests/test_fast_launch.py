@@ -186,5 +186,5 @@ def test_generated_modules_fall_back_under_the_interpreter():
         pytest.skip("interpreter tier only")
     import importlib
     module = importlib.import_module("generated.gated_delta_rule")
-    assert module._state_fwd_launch is module._state_fwd_kernel
-    assert module._WY_LAUNCHES[64] is module._WY_KERNELS[64]
+    assert module._state_fwd_fast is module._state_fwd_kernel
+    assert module._WY_FAST[64] is module._WY_KERNELS[64]
