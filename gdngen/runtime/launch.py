@@ -87,7 +87,7 @@ VERIFIED_TRITON = frozenset({(3, 6), (3, 9)})
 MAX_SPECIALISATIONS = 64          # cached launches per kernel; the oldest goes first beyond this
 
 _enabled = os.environ.get("GDNGEN_FAST_LAUNCH", "1") != "0"
-_jit_run = None                   # JITFunction.run as Triton defines it (set by the first fast())
+_jit_run = None                   # JITFunction.run as Triton defines it (set by the first FastLaunch)
 
 
 def set_fast(enabled: bool) -> None:
@@ -98,6 +98,7 @@ def set_fast(enabled: bool) -> None:
 
 
 def fast_enabled() -> bool:
+    """Whether ``fast`` kernels currently take the cached launch path (see ``set_fast``)."""
     return _enabled
 
 
@@ -194,7 +195,11 @@ class FastLaunch:
     whenever the cached path is off (``set_fast(False)``, GDNGEN_FAST_LAUNCH=0), Triton launch
     hooks are set (profilers such as proton), a pipeline-inspection hook or a pre-run hook is set,
     ``JITFunction.run`` is replaced (gdngen's compile-ahead recording, compilecheck, tests), while
-    torch.compile traces, for a grid that is not a tuple, and for arguments the key cannot hold."""
+    torch.compile traces, for a grid that is not a tuple, and for arguments the key cannot hold.
+
+    A hit skips two things JITFunction.run does per call: the pre-run hooks (checked: any set
+    forces the plain path) and the check that the globals a kernel read have not changed since it
+    compiled (generated modules' globals are constants)."""
 
     def __init__(self, kernel):
         global _jit_run
