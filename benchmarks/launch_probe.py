@@ -6,20 +6,27 @@ A small kernel with a generated stage's argument shape (eight tensors, three int
 is launched ``--launches`` times back to back through:
 - ``jit``: ``kernel[grid](...)``, the path the generated modules take;
 - ``compiled``: the CompiledKernel that first launch returned, ``compiled[grid](*args)``;
-- ``run``: ``compiled.run`` with the stream and packed metadata looked up once.
+- ``run``: ``compiled.run`` with the stream and packed metadata looked up once;
+- ``fast``: ``gdngen.runtime.launch.fast(kernel)[grid](...)``, the cached path the generated modules
+  take (its key per call, then ``compiled.run`` with the current stream).
 Prints host microseconds per launch for each, checks each path wrote the same output, then the
-top functions of the ``jit`` path under cProfile.
+top functions of the ``jit`` and ``fast`` paths under cProfile.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gdngen.runtime.launch import FastLaunch, fast  # noqa: E402
 
 
 @triton.jit
@@ -64,7 +71,14 @@ def main():
     def via_run():
         run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *all_args)
 
-    for name, launch in (("jit", jit), ("compiled", via_compiled), ("run", via_run)):
+    cached = fast(_probe_kernel)
+    if not isinstance(cached, FastLaunch):
+        print(f"fast: not applicable on triton {triton.__version__} (plain path)")
+
+    def via_fast():
+        cached[grid](*tensors, out, *ints, **consts)
+
+    for name, launch in (("jit", jit), ("compiled", via_compiled), ("run", via_run), ("fast", via_fast)):
         out.zero_()
         for _ in range(20):
             launch()
@@ -76,13 +90,17 @@ def main():
         host = (time.perf_counter() - start) / args.launches * 1e6
         torch.cuda.synchronize()
         print(f"{name:9s} {host:7.2f} us per launch (host), output {'equal' if ok else 'DIFFERENT'}", flush=True)
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.launches):
-        jit()
-    profile.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    if isinstance(cached, FastLaunch):
+        print(f"fast: {cached.misses} launches through Triton to fill its cache, {cached.fallbacks} fallbacks")
+    for name, launch in (("jit", jit), ("fast", via_fast)):
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.launches):
+            launch()
+        profile.disable()
+        torch.cuda.synchronize()
+        print(f"---- cProfile of the {name} path")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":

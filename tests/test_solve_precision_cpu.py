@@ -38,8 +38,8 @@ def test_wy_launches_carry_the_rule(name, dtype, monkeypatch):
     spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
     module = importlib.import_module(f"generated.{name}")
     seen = []
-    kernels = {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_KERNELS.items()}
-    monkeypatch.setattr(module, "_WY_KERNELS", kernels)
+    kernels = {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_FAST.items()}
+    monkeypatch.setattr(module, "_WY_FAST", kernels)
     inputs = make_inputs(spec, B=1, T=40, H=2, HV=2, K=32, V=32, dtype=dtype, h0=True)
     for x in inputs.values():
         if isinstance(x, torch.Tensor) and x.is_floating_point():

@@ -1,6 +1,9 @@
 """Small decisions every launcher makes the same way."""
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 import os
 
 import torch
@@ -57,3 +60,326 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division for grids on the host: triton.cdiv is a constexpr function since Triton 3.4,
     about 2 us a call through its argument unwrapping (9 to 20 calls per op call)."""
     return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cached launch path: ``fast(kernel)[grid](*args, **kwargs)``
+#
+# ``kernel[grid](...)`` costs about 28 us of host time a launch (Triton 3.6, H200 host): the
+# argument binder, the specialisation key, its string form, the cache look-up, the launch metadata
+# and the launch hooks, all per call. Once a launch has compiled and loaded its kernel, the same
+# kernel object would serve every later call whose arguments specialise the same way, so
+# ``FastLaunch`` keeps a small cache of its own, keyed on a cheap tuple that holds at least
+# everything Triton specialises on, and on a hit calls ``CompiledKernel.run`` (the C launcher)
+# directly. What Triton 3.6 and 3.9 specialise on (triton/runtime/jit.py
+# ``create_function_from_signature`` and ``JITFunction.run``; python/src/specialize.cc
+# ``specialize_arg``, shipped in libtriton as ``native_specialize_impl``):
+# - a tensor: its dtype (``*bf16``; ``*k`` for const params) and ``data_ptr() % 16 == 0`` ("D");
+# - a Python int: == 1 (then a constexpr), % 16 == 0 ("D"), and its width: i32, i64 or u64;
+# - a float: "fp32", a bool: "u1", whatever their value; None: a constexpr None;
+# - a constexpr parameter: its value (the key is ``str`` of the specialisation: 1 and True differ);
+# - the launch options (num_warps, num_stages, ... every keyword that names no parameter), the
+#   JIT debug flag and the instrumentation mode (3.9 also the fpsan knob), and the current device
+#   (one kernel cache per device). The stream is no key: it is read per launch.
+# The key here holds the tensor's dtype and alignment, the int's == 1, % 16 and width class, the
+# type of floats, bools and None, every constexpr's type and value, every option's type and value,
+# those knobs, and the device. Over-keying only costs a cache entry; anything it cannot key (a
+# tuple argument, a tensor descriptor, an unhashable constexpr) takes the plain launch.
+# ---------------------------------------------------------------------------------------------
+
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_INT64_MIN, _UINT64_END = -(1 << 63), 1 << 64
+_TENSOR = torch.Tensor
+_FIFTEENS = itertools.repeat(15)      # the low four bits of a pointer: % 16
+
+# Triton versions whose JITFunction.run / CompiledKernel.run were read for this launcher: both call
+# run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata,
+#     launch_enter_hook, launch_exit_hook, *every_bound_argument)
+# with every parameter in declaration order, constexprs included (the 3.6 launcher parses them
+# as objects and drops them, the 3.9 launcher skips them by its argument annotations).
+VERIFIED_TRITON = frozenset({(3, 6), (3, 9)})
+MAX_SPECIALISATIONS = 64          # cached launches per kernel; the oldest goes first beyond this
+
+_enabled = os.environ.get("GDNGEN_FAST_LAUNCH", "1") != "0"
+_jit_run = None                   # JITFunction.run as Triton defines it (set by the first FastLaunch)
+
+
+def set_fast(enabled: bool) -> None:
+    """Turn the cached launch path on or off for every ``fast`` kernel (default: on unless the
+    environment has GDNGEN_FAST_LAUNCH=0). Off, each launch is a plain ``kernel[grid](...)``."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def fast_enabled() -> bool:
+    """Whether ``fast`` kernels currently take the cached launch path (see ``set_fast``)."""
+    return _enabled
+
+
+def triton_version() -> tuple:
+    """(major, minor) of the installed Triton."""
+    import triton
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def fast(kernel):
+    """``kernel`` behind the cached launch path: ``fast(kernel)[grid](*args, **kwargs)`` launches
+    like ``kernel[grid](*args, **kwargs)``.
+
+    Returns ``kernel`` itself where the path cannot apply for the whole process: under
+    TRITON_INTERPRET=1 (the CPU interpreter), for anything but a plain ``@triton.jit`` function
+    (an autotuner picks its own options per call), and on a Triton version whose launch was not
+    verified (``VERIFIED_TRITON``)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return kernel
+    from triton.runtime.jit import JITFunction
+    if type(kernel) is not JITFunction or triton_version() not in VERIFIED_TRITON:
+        return kernel
+    return FastLaunch(kernel)
+
+
+def _int_key(value: int) -> int:
+    """What Triton's specialisation reads off an int argument, as one small int: -1 for == 1 (a
+    constexpr there); else the launcher's width (i32 0, i64 2, u64 4; beyond that Triton raises:
+    6) plus 1 where value % 16 == 0."""
+    if value == 1:
+        return -1
+    aligned = 1 if value & 15 == 0 else 0
+    if _INT32_MIN <= value <= _INT32_MAX:
+        return aligned
+    if _INT64_MIN <= value < -_INT64_MIN:
+        return 2 + aligned
+    if 0 <= value < _UINT64_END:
+        return 4 + aligned
+    return 6
+
+
+def _picker(indices):
+    """A function taking the items at ``indices`` of a sequence, always as a tuple (itemgetter
+    returns a bare item for one index)."""
+    if not indices:
+        return lambda seq: ()
+    if len(indices) == 1:
+        only = indices[0]
+        return lambda seq: (seq[only],)
+    return operator.itemgetter(*indices)
+
+
+_KEYED_SCALARS = (int, float, bool, type(None))
+_dtype_of = operator.attrgetter("dtype")
+_data_ptr = _TENSOR.data_ptr
+_MISSING = object()
+
+
+class _CallShape:
+    """How one call form (number of positional arguments, keyword names in order) binds to the
+    kernel's parameters: computed once per form, then reused by every call of that form."""
+    __slots__ = ("tail", "runtime", "constexprs", "options", "layouts")
+
+    def __init__(self, tail, runtime, constexprs, options):
+        self.tail = tail                # (name, default) of each parameter after the positionals;
+                                        # default _MISSING: the call gives it by keyword
+        self.runtime = runtime          # picks the non-constexpr arguments off the bound ones
+        self.constexprs = constexprs    # picks the constexpr arguments
+        self.options = options          # picks the launch options (keywords naming no parameter)
+        self.layouts = {}               # types of the runtime arguments -> _ArgLayout or None
+
+
+class _ArgLayout:
+    """Where the tensors and the ints are among the runtime arguments, for one tuple of their types."""
+    __slots__ = ("tensors", "ints")
+
+    def __init__(self, types):
+        self.tensors = _picker([i for i, t in enumerate(types) if issubclass(t, _TENSOR)])
+        self.ints = _picker([i for i, t in enumerate(types) if t is int])
+
+    @staticmethod
+    def of(types):
+        """The layout, or None where a type is not one the key covers (tuples, descriptors, ...)."""
+        if all(t in _KEYED_SCALARS or issubclass(t, _TENSOR) for t in types):
+            return _ArgLayout(types)
+        return None
+
+
+class FastLaunch:
+    """A ``@triton.jit`` kernel with a launch cache in front: see ``fast``.
+
+    Takes the plain ``kernel[grid](...)`` path (which compiles, caches and launches as usual)
+    whenever the cached path is off (``set_fast(False)``, GDNGEN_FAST_LAUNCH=0), Triton launch
+    hooks are set (profilers such as proton), a pipeline-inspection hook or a pre-run hook is set,
+    ``JITFunction.run`` is replaced (gdngen's compile-ahead recording, compilecheck, tests), while
+    torch.compile traces, for a grid that is not a tuple, and for arguments the key cannot hold.
+
+    A hit skips two things JITFunction.run does per call: the pre-run hooks (checked: any set
+    forces the plain path) and the check that the globals a kernel read have not changed since it
+    compiled (generated modules' globals are constants)."""
+
+    def __init__(self, kernel):
+        global _jit_run
+        from triton import knobs
+        from triton.knobs import HookChain
+        from triton.runtime.jit import JITFunction
+        if _jit_run is None:
+            _jit_run = JITFunction.run
+        self.kernel = kernel
+        self.fn = kernel.fn
+        self._params = list(kernel.params)
+        self._names = {p.name: i for i, p in enumerate(self._params)}
+        self._plain_signature = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in kernel.signature.parameters.values())
+        self._shapes = {}
+        self._cache = {}
+        self.misses = 0                 # launches through Triton that filled (or could not fill) the cache
+        self.fallbacks = 0              # launches through Triton because the cached path did not apply
+        self._get_device = None         # Triton's driver functions, taken at the first launch
+        self._get_stream = None
+        self._runtime_knobs = knobs.runtime
+        self._compilation_knobs = knobs.compilation
+        self._hook_chain = HookChain
+        self._keys_fpsan = hasattr(type(knobs.compilation), "fpsan_homomorphic_casts")   # 3.9
+
+    def __repr__(self):
+        return f"fast({self.fn.__name__})"
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    # -- the plain path, and what may force it
+
+    def _launch_plain(self, grid, args, kwargs):
+        return self.kernel[grid](*args, **kwargs)
+
+    def _fallback(self, grid, args, kwargs):
+        self.fallbacks += 1
+        return self._launch_plain(grid, args, kwargs)
+
+    def _plain_needed(self) -> bool:
+        """Anything that makes this call take Triton's own path, checked per call (cheap reads)."""
+        kernel, rt = self.kernel, self._runtime_knobs
+        if type(kernel).run is not _jit_run or "run" in kernel.__dict__ or kernel.pre_run_hooks:
+            return True
+        chain = self._hook_chain
+        enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+        if enter is not None and (type(enter) is not chain or enter.calls):
+            return True
+        if exit_ is not None and (type(exit_) is not chain or exit_.calls):
+            return True
+        if getattr(rt, "add_stages_inspection_hook", None) is not None:
+            return True
+        return torch.compiler.is_compiling()
+
+    # -- binding and keys
+
+    def _call_shape(self, form):
+        """Bind a call form to the parameters, or None where only Triton's binder should (an
+        argument missing, given twice, or a signature with *args / keyword-only parameters)."""
+        nargs, names = form[0], form[1:]
+        params = self._params
+        if not self._plain_signature or nargs > len(params):
+            return None
+        tail = []
+        for p in params[nargs:]:
+            if p.name in names:
+                tail.append((p.name, _MISSING))
+            elif p.has_default:
+                tail.append((p.name, p.default))
+            else:
+                return None
+        if any(self._names.get(n, len(params)) < nargs for n in names):
+            return None
+        return _CallShape(tuple(tail),
+                          _picker([i for i, p in enumerate(params) if not p.is_constexpr]),
+                          _picker([i for i, p in enumerate(params) if p.is_constexpr]),
+                          _picker([n for n in names if n not in self._names]))
+
+    def _shape(self, form):
+        shape = self._shapes.get(form, _MISSING)
+        if shape is _MISSING:
+            shape = self._shapes[form] = self._call_shape(form)
+        return shape
+
+    @staticmethod
+    def _bind(shape, args, kwargs):
+        """Every parameter's value in declaration order, as Triton's binder orders them."""
+        if not shape.tail:
+            return args
+        return (*args, *[kwargs[name] if default is _MISSING else default for name, default in shape.tail])
+
+    def _key(self, shape, bound, kwargs, device):
+        """The cache key of one call, or None where an argument has a type it does not cover."""
+        runtime = shape.runtime(bound)
+        types = tuple(map(type, runtime))
+        layout = shape.layouts.get(types, _MISSING)
+        if layout is _MISSING:
+            layout = shape.layouts[types] = _ArgLayout.of(types)
+        if layout is None:
+            return None
+        tensors = layout.tensors(runtime)
+        constexprs = shape.constexprs(bound)
+        options = shape.options(kwargs)
+        ck = self._compilation_knobs
+        # shape and layout stand for the call form and the argument types: one object each
+        return (shape, layout, device,
+                tuple(map(_dtype_of, tensors)),
+                tuple(map(operator.not_, map(operator.and_, map(_data_ptr, tensors), _FIFTEENS))),
+                tuple(map(_int_key, layout.ints(runtime))),
+                constexprs, tuple(map(type, constexprs)), options, tuple(map(type, options)),
+                self._runtime_knobs.debug, ck.instrumentation_mode,
+                ck.fpsan_homomorphic_casts if self._keys_fpsan else None)
+
+    # -- launch
+
+    def _launch(self, grid, *args, **kwargs):
+        if not _enabled or type(grid) is not tuple or self._plain_needed():
+            return self._fallback(grid, args, kwargs)
+        form = (len(args), *kwargs)
+        shape = self._shape(form)
+        if shape is None:
+            return self._fallback(grid, args, kwargs)
+        bound = self._bind(shape, args, kwargs)
+        get_device = self._get_device
+        if get_device is None:
+            get_device = self._take_driver()
+        device = get_device()
+        key = self._key(shape, bound, kwargs, device)
+        try:
+            entry = self._cache.get(key) if key is not None else None
+        except TypeError:                # an unhashable constexpr or option
+            key = entry = None
+        if entry is None:
+            return self._miss(grid, args, kwargs, key)
+        launcher, function, packed, compiled = entry
+        n = len(grid)
+        launcher(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._get_stream(device),
+                 function, packed, None, None, None, *bound)
+        return compiled
+
+    def _miss(self, grid, args, kwargs, key):
+        """Launch through Triton, then keep what it launched under ``key`` (None: keep nothing)."""
+        self.misses += 1
+        compiled = self._launch_plain(grid, args, kwargs)
+        if key is None:
+            return compiled
+        entry = self._entry(compiled)
+        if entry is not None:
+            cache = self._cache
+            if len(cache) >= MAX_SPECIALISATIONS:
+                cache.pop(next(iter(cache)), None)
+            cache[key] = entry
+        return compiled
+
+    def _take_driver(self):
+        """Triton's current-device and current-stream functions (the ones JITFunction.run calls)."""
+        from triton.runtime import driver
+        self._get_stream = driver.active.get_current_stream
+        self._get_device = driver.active.get_current_device
+        return self._get_device
+
+    @staticmethod
+    def _entry(compiled):
+        """(launcher, function, packed metadata, compiled) of a loaded CUDA kernel, else None."""
+        metadata = getattr(compiled, "metadata", None)
+        target = getattr(metadata, "target", None)
+        if getattr(target, "backend", None) != "cuda" or getattr(compiled, "function", None) is None:
+            return None
+        return compiled.run, compiled.function, compiled.packed_metadata, compiled
