@@ -156,7 +156,7 @@ def test_kept_tmat_is_used_not_recomputed(device):
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
 
 
-def test_backward_materialises_no_state_sized_zeros():
+def test_backward_materialises_no_state_sized_zeros(device):
     """Nothing flows into the kept states (or into o when only the final state is used): autograd
     must not zero-fill a gradient for them (one the size of the kept states: 512 MiB at
     (1, 32768, 32, 32) bf16, measured as extra peak memory on the H200), and a loss of the final
@@ -175,7 +175,7 @@ def test_backward_materialises_no_state_sized_zeros():
                 self.shapes.append(tuple(out.shape))
             return out
 
-    args = _op_args("gated_delta_rule", "cpu", B=1, T=40)
+    args = _op_args("gated_delta_rule", device, B=1, T=40)
     leaves = [x for x in args[:9] if isinstance(x, torch.Tensor) and x.requires_grad]
     q, k, v, g, beta, h0 = args[:6]
     o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
