@@ -62,10 +62,11 @@ STATE_KS_DOT = "tl.dot(b_k, b_h.to(b_k.dtype), input_precision=DOT_PRECISION) * 
 STATE_TX_DOT = "b_v = tl.dot(b_T, b_x.to(b_T.dtype), input_precision=DOT_PRECISION)"
 STATE_UPDATE_DOT = "b_h += tl.dot(tl.trans(b_k), b_v.to(b_k.dtype), input_precision=DOT_PRECISION)"
 OUTPUT_QS_DOT = "b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PRECISION)"
-OUTPUT_PV_DOT = "b_o = (b_o + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)) * scale"
+# (the newline and four spaces: the output stage's line, not the state pass's fused-output copy of it)
+OUTPUT_PV_DOT = "\n    b_o = (b_o + tl.dot(b_A.to(v.dtype.element_ty), b_v.to(v.dtype.element_ty), input_precision=DOT_PRECISION)) * scale"
 TMAT_ALLOC = "tmat = torch.empty(B, T, HV, BT, device=q.device, dtype=tmat_dtype or k.dtype) if not wu_in_memory else None"
-H_ALLOC = "h = torch.empty(state_rows, HV, K, V, device=q.device, dtype=k.dtype)"
-VNEW_ALLOC = "values = torch.empty_like(v)     # V_new, written by the state pass"
+H_ALLOC = "h = None if fused_output else torch.empty(state_rows, HV, K, V, device=q.device, dtype=k.dtype)"
+VNEW_ALLOC = "values = None if fused_output else torch.empty_like(v)     # V_new, written by the state pass"
 FWD_PRECISION = "BT, varlen, precision = chunk_size, cu_seqlens is not None, dot_precision(q.dtype)"
 STATES_PRECISION = "    precision = dot_precision(q.dtype)\n"
 BF16_F32 = ".to(tl.bfloat16).to(tl.float32)"      # round to bf16 as before, then feed a float32 dot
@@ -103,10 +104,10 @@ def edits_for(keep):
         edits.append((H_ALLOC, H_ALLOC.replace("dtype=k.dtype", "dtype=torch.float32"), 1))
         edits.append((OUTPUT_QS_DOT, "b_o += tl.dot(b_q.to(tl.float32), b_h, input_precision=DOT_PRECISION)", 1))
     if "Vnew" in keep:
-        edits.append((VNEW_ALLOC, "values = torch.empty_like(v, dtype=torch.float32)", 1))
+        edits.append((VNEW_ALLOC, VNEW_ALLOC.replace("torch.empty_like(v)", "torch.empty_like(v, dtype=torch.float32)"), 1))
     if "Vnew" in keep or "P" in keep:
         p_expr = "b_A" if "P" in keep else "b_A" + BF16_F32
-        edits.append((OUTPUT_PV_DOT, f"b_o = (b_o + tl.dot({p_expr}, b_v.to(tl.float32), input_precision=DOT_PRECISION)) * scale", 1))
+        edits.append((OUTPUT_PV_DOT, f"\n    b_o = (b_o + tl.dot({p_expr}, b_v.to(tl.float32), input_precision=DOT_PRECISION)) * scale", 1))
     return edits
 
 
@@ -118,13 +119,13 @@ SPLIT_X = [(STATE_TX_DOT,
             "            b_x_lo = (b_x - b_x_hi.to(tl.float32)).to(b_T.dtype)\n"
             "            b_v = tl.dot(b_T, b_x_hi, input_precision=DOT_PRECISION) + tl.dot(b_T, b_x_lo, input_precision=DOT_PRECISION)", 1)]
 SPLIT_P = [(OUTPUT_PV_DOT,
-            "b_A_hi = b_A.to(b_v.dtype)\n"
+            "\n    b_A_hi = b_A.to(b_v.dtype)\n"
             "    b_A_lo = (b_A - b_A_hi.to(tl.float32)).to(b_v.dtype)\n"
             "    b_o = (b_o + tl.dot(b_A_hi, b_v, input_precision=DOT_PRECISION) + tl.dot(b_A_lo, b_v, input_precision=DOT_PRECISION)) * scale", 1)]
 # V_new float32 in memory, P and V_new both split: P_hi V_hi + P_lo V_hi + P_hi V_lo (3 bf16 dots)
-SPLIT_PV = [(VNEW_ALLOC, "values = torch.empty_like(v, dtype=torch.float32)", 1),
+SPLIT_PV = [(VNEW_ALLOC, VNEW_ALLOC.replace("torch.empty_like(v)", "torch.empty_like(v, dtype=torch.float32)"), 1),
             (OUTPUT_PV_DOT,
-             "b_A_hi = b_A.to(tl.bfloat16)\n"
+             "\n    b_A_hi = b_A.to(tl.bfloat16)\n"
              "    b_A_lo = (b_A - b_A_hi.to(tl.float32)).to(tl.bfloat16)\n"
              "    b_v_hi = b_v.to(tl.bfloat16)\n"
              "    b_v_lo = (b_v - b_v_hi.to(tl.float32)).to(tl.bfloat16)\n"
@@ -144,14 +145,14 @@ SPLIT_VUPD = [(STATE_UPDATE_DOT,
 # float32 summation order). The state pass is unchanged (its V_new store would go: not counted here).
 OUTPUT_SIGNATURE = ("    g_cum,          # [B, T, HV] float32 chunk-local cumsum of the log-decay\n"
                     "    o,              # [B, T, HV, V] out\n")
-OUTPUT_V_LOAD = ("    b_v = tl.load(v + o_tv, mask=m_tv, other=0.)\n"
-                 "    # [BT, BT] @ [BT, BV] -> [BT, BV]\n")
+# (with the start of the next line: the output stage loading the values, no other kernel)
+OUTPUT_V_LOAD = "    b_v = tl.load(v + o_tv, mask=m_tv, other=0.)\n    b_o = b_o * tl.exp2(b_g"
 RECOMPUTE_VNEW = [
     (OUTPUT_SIGNATURE, OUTPUT_SIGNATURE.replace("    o,", "    tmat,\n    beta_act,\n    o,"), 1),
     ("    b_A = tl.zeros([BT, BT], dtype=tl.float32)\n    # BV >= 64",
      "    b_A = tl.zeros([BT, BT], dtype=tl.float32)\n    b_kh = tl.zeros([BT, BV], dtype=tl.float32)\n    # BV >= 64", 1),
     (OUTPUT_QS_DOT, OUTPUT_QS_DOT + "\n        b_kh += tl.dot(b_k, b_h.to(b_k.dtype), input_precision=DOT_PRECISION)", 1),
-    (OUTPUT_V_LOAD + "    " + OUTPUT_PV_DOT,
+    (OUTPUT_V_LOAD,
      "    b_v = tl.load(v + o_tv, mask=m_tv, other=0.).to(tl.float32)\n"
      "    b_beta = tl.load(beta_act + (t0 + o_t) * HV + i_hv, mask=m_t, other=0.)\n"
      "    b_x = b_v * b_beta[:, None] - b_kh * (b_beta * tl.exp2(b_g * 1.4426950408889634))[:, None]\n"
@@ -159,7 +160,9 @@ RECOMPUTE_VNEW = [
      "    b_x_hi = b_x.to(b_T.dtype)\n"
      "    b_x_lo = (b_x - b_x_hi.to(tl.float32)).to(b_T.dtype)\n"
      "    b_v = tl.dot(b_T, b_x_hi, input_precision=DOT_PRECISION) + tl.dot(b_T, b_x_lo, input_precision=DOT_PRECISION)\n"
-     "    b_A_hi = b_A.to(tl.bfloat16)\n"
+     "    b_o = b_o * tl.exp2(b_g", 1),
+    (OUTPUT_PV_DOT,
+     "\n    b_A_hi = b_A.to(tl.bfloat16)\n"
      "    b_A_lo = (b_A - b_A_hi.to(tl.float32)).to(tl.bfloat16)\n"
      "    b_v_hi = b_v.to(tl.bfloat16)\n"
      "    b_v_lo = (b_v - b_v_hi.to(tl.float32)).to(tl.bfloat16)\n"
@@ -317,7 +320,10 @@ def main():
     rows = []
     try:
         # the T path, as the H200 takes it at N * HV >= 32 (store_wu would pick W/U at N * HV = 2)
+        # the output in its own stage, as at (1, 32768, 32, 32): the public op's short no-grad calls
+        # fuse it into the state pass (tiles.fused_output), which the edits below do not cover
         with tiles_module.override("gated_delta_rule", "store_wu", value=False), \
+                tiles_module.override("gated_delta_rule", "fused_output", value=False), \
                 tempfile.TemporaryDirectory() as scratch:
             wanted = [name for name in args.only.split(",") if name]
             for i, (name, keep, extra, meaning) in enumerate(VARIANTS):
