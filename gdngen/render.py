@@ -77,6 +77,7 @@ def render_module(spec: Spec) -> str:
         has_decay=spec.has_decay,
         chunk_state_dtype="torch.float32" if spec.dtypes.chunk_states == "float32" else "k.dtype",
         float32_intermediates=spec.dtypes.intermediates == "float32",
+        split_intermediates=spec.dtypes.intermediates == "split",
         **plan.exprs,
     )
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"

@@ -65,7 +65,10 @@ class DTypes:
     state: str                 # dtype of initial/final states
     accumulate: str            # dtype of in-kernel accumulation
     chunk_states: str          # dtype of the chunk-boundary states kept between stages
-    intermediates: str = "input"   # dtype of the forward's W, U, T and V_new buffers (float32: more precise)
+    # the forward's W, U, T and V_new buffers: "input" (16-bit for 16-bit inputs), "float32" (more
+    # precise, more memory), or "split" (16-bit buffers; the output stage recomputes V_new in float32
+    # and its float32 products run as bf16 hi + lo pairs: delta rule with scalar or no decay)
+    intermediates: str = "input"
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,10 @@ def spec_from_dict(raw: Any, source: str = "<memory>") -> Spec:
                     accumulate=r.choice(dt["accumulate"], "dtypes.accumulate", ("float32",)),
                     chunk_states=r.choice(dt["chunk_states"], "dtypes.chunk_states",
                                           ("float32", "input")),
-                    intermediates=r.choice(dt["intermediates"], "dtypes.intermediates", ("float32", "input")))
+                    intermediates=r.choice(dt["intermediates"], "dtypes.intermediates", ("float32", "input", "split")))
+    if dtypes.intermediates == "split" and not (transition.delta and transition.decay in ("scalar", "none")):
+        r.fail("dtypes.intermediates", "'split' recomputes the delta rule's V_new in the output stage: it needs "
+               f"transition.delta true and a scalar or no decay, got delta {transition.delta}, decay {transition.decay!r}")
 
     return Spec(name=name, description=description, transition=transition, gates=gates,
                 qk_l2norm=qk_l2norm, feature_maps=feature_maps, normalize=normalize, heads=heads,

@@ -145,6 +145,29 @@ def test_float32_intermediates_precision(spec_variant, B, H, HV):
     assert errors["float32"][1] <= errors["input"][1], errors
 
 
+@pytest.mark.parametrize("B,H,HV", [(1, 2, 4), (2, 16, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_intermediates_precision(spec_variant, B, H, HV, dtype):
+    """dtypes.intermediates: split (the output stage recomputes V_new in float32, 16-bit hi + lo
+    products) against the default at issue #10's precision shape class (K=V=128, T=4096): o within
+    the issue's 2e-3 in bf16 (CPU emulation: 1.75e-3), lower than the default in both 16-bit dtypes."""
+    spec, split = spec_variant("gated_delta_rule", "split", intermediates="split")
+    base_spec = load_spec("specs/gated_delta_rule.yaml")
+    base = importlib.import_module("generated.gated_delta_rule")
+    from gdngen.runtime import override
+    errors = {}
+    for label, (s, module) in {"input": (base_spec, base), "split": (spec, split)}.items():
+        inputs = make_inputs(s, dtype=dtype, device="cuda", seed=4, B=B, T=4096, H=H, HV=HV, K=128, V=128)
+        with override("gated_delta_rule", "store_wu", value=False):      # the T path, as split takes
+            o, ht = call(module, s, inputs, output_final_state=True, chunk_size=64)
+        o_ref, ht_ref = reference_outputs(s, inputs, output_final_state=True)
+        errors[label] = rel_rmse(o, o_ref), rel_rmse(ht, ht_ref)
+    assert errors["split"][0] < errors["input"][0], errors
+    if dtype == torch.bfloat16:
+        assert errors["split"][0] <= 2e-3, errors
+    assert errors["split"][1] <= errors["input"][1] * 1.001, errors     # the same state pass
+
+
 @pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_state_pass_in_pieces(name, dtype):

@@ -285,3 +285,14 @@ def test_directory_is_unreadable(tmp_path):
 
 def test_invalid_yaml(tmp_path):
     _rejects(tmp_path, "name: x\ntransition: {decay: scalar, delta: true\n", "<yaml>", match="not valid YAML")
+
+
+@pytest.mark.parametrize("transition", [{"decay": "vector", "delta": True}, {"decay": "scalar", "delta": False}])
+def test_split_intermediates_needs_the_delta_rule_with_scalar_or_no_decay(tmp_path, transition):
+    """dtypes.intermediates: split recomputes V_new in the output stage: a per-channel decay or an
+    additive spec (no V_new) is refused by key; the delta rule with scalar or no decay is taken."""
+    data = _with(_with(MINIMAL, "transition", transition), "dtypes.intermediates", "split")
+    _rejects(tmp_path, data, "dtypes.intermediates", match="scalar or no decay")
+    for decay in ("scalar", "none"):
+        ok = _with(_with(MINIMAL, "transition", {"decay": decay, "delta": True}), "dtypes.intermediates", "split")
+        assert load_spec(_write(tmp_path, ok)).dtypes.intermediates == "split"
