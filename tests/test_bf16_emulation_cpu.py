@@ -182,30 +182,31 @@ def test_split_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, 
     assert ht_split <= ht_in * 1.05, errors       # the state pass is the default's (on the T path)
 
 
-def test_split_intermediates_gradients_and_fake(spec_variant):
+@pytest.mark.parametrize("base_name", ["gated_delta_rule", "delta_rule"])      # scalar decay, no decay
+def test_split_intermediates_gradients_and_fake(spec_variant, base_name):
     """The split variant through autograd (float32, against the float64 reference: every gradient,
     dh0 included), and its torch.library fake gives the real op's output shapes (T always kept)."""
     from gdngen import reference
-    spec, split = spec_variant("gated_delta_rule", "split", intermediates="split")
+    spec, split = spec_variant(base_name, "split", intermediates="split")
     inputs = make_inputs(spec, dtype=torch.float32, device="cpu", seed=9, B=2, T=80, H=2, HV=4, K=32, V=32)
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    o, ht = split.chunk_gated_delta_rule_split(**{**inputs, **leaves}, output_final_state=True, chunk_size=16)
+    o, ht = getattr(split, spec.chunk_function)(**{**inputs, **leaves}, output_final_state=True, chunk_size=16)
     gen = torch.Generator().manual_seed(10)
     do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
     got = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
     ref_leaves = {n: x.detach().double().requires_grad_(True) for n, x in leaves.items()}
     args = {**inputs, **ref_leaves}
-    positional = [args.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    positional = [args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
     ro, rht = reference.run(spec, *positional, form="chunked", output_final_state=True, **args)
     want = torch.autograd.grad((ro, rht), list(ref_leaves.values()), (do.double(), dht.double()))
     assert rel_rmse(o, ro) <= 1e-5 and rel_rmse(ht, rht) <= 1e-5
     for name, a, b in zip(leaves, got, want):
         assert rel_rmse(a, b) <= 1e-4, (name, rel_rmse(a, b))
 
-    op_args = [inputs[n] for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None, None, None]
+    op_args = [inputs.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None, None, None]
     options = [32 ** -0.5, True, 16, False, False, False, False]   # scale .. allow_neg_eigval
-    real = torch.ops.gdngen.chunk_gated_delta_rule_split(*op_args, *options)
-    fake = split._chunk_gated_delta_rule_split_fake(*op_args, *options)
+    real = getattr(torch.ops.gdngen, spec.chunk_function)(*op_args, *options)
+    fake = getattr(split, f"_{spec.chunk_function}_fake")(*op_args, *options)
     assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake]
     assert real[3].numel() > 0                     # T: the split variant always takes the T path
