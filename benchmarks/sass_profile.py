@@ -283,11 +283,15 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
         # forward stages by name; backward ones as "chunk", "intra", ... or, where a forward stage has the
         # same name, with a suffix: "wy_bwd", "state_bwd"
         for stage, config in overrides.items():
-            if stage in ("output", "state", "wy"):
+            if stage in ("output", "state", "wy", "fused_output", "state_pieces", "store_wu"):
                 for name in specs:
                     stack.enter_context(tiles.override(name, stage, **config))
             else:
                 stack.enter_context(bt.override_backward(stage.removesuffix("_bwd"), **config))
+        if overrides.get("fused_output", {}).get("value"):
+            # the fused output runs only in a forward that keeps nothing for a backward
+            from gdngen.runtime.ops import keeping_states
+            stack.enter_context(keeping_states(False))
         for spec in [load_spec(p) for p in catalogue()]:
             if spec.name not in specs:
                 continue

@@ -70,9 +70,10 @@ def main():
                 tmat = torch.full((B, T, HV, BT), float("nan"), device="cuda", dtype=torch.float32)
 
                 def launch():
+                    # (q and the scores A_qk: only a fused output's forward asks for them, STORE_AQK)
                     module._WY_KERNELS[BT][(NT, B * HV)](
-                        k, None, beta, g_cum, tmat, None, None, None, None, T,
-                        H=H, HV=HV, K=K, V=V, BT=BT, BK=64, BV=64, STORE_WU=False, IS_VARLEN=False,
+                        None, k, None, beta, g_cum, tmat, None, None, None, None, None, T,
+                        H=H, HV=HV, K=K, V=V, BT=BT, BK=64, BV=64, STORE_WU=False, STORE_AQK=False, IS_VARLEN=False,
                         DOT_PRECISION="tf32", SOLVE_PRECISION=precision, num_warps=warps, num_stages=2)
                 launch()
                 torch.cuda.synchronize()

@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("spec")
     p.add_argument("--shapes", nargs="+", metavar="B,T,H,HV,K,V", help="shapes to tune (one per shape class)")
     p.add_argument("--stages", default=None,
-                   help="comma-separated stages to tune (default fwd): forward wy,state,output; backward "
+                   help="comma-separated stages to tune (default fwd): forward wy,state,output,state_output (the state pass "
+                        "of a no-grad forward, which writes the output); backward "
                         "wy_prep_bwd,intra_bwd,state_bwd,chunk_bwd,wy_bwd,wy_decay_bwd (timed as a forward + "
                         "backward step, every gradient checked first); or the groups fwd, bwd, all. "
                         "Stages the spec does not launch are skipped. split: the intra-card sequence split's "

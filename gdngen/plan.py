@@ -158,6 +158,13 @@ def build_plan(spec: Spec) -> Plan:
     # (gdngen.runtime.tiles.state_pieces). Per-channel decay and feature maps on k are left out.
     exprs["state_pieces"] = spec.has_decay and not alg.per_channel and not (
         exprs["feature_map_exprs"] or exprs["random_features_expr"])
+    # A forward nothing differentiates runs the output in the state pass (tiles.fused_output). With the
+    # delta rule the wy stage then also writes the output's causal scores A_qk = (Q K^T) * score_decay
+    # (one more [BT, BK] @ [BK, BT] dot per key tile on the k tiles it loads anyway), so the sequential
+    # pass loads a [BT, BT] tile instead of forming Q K^T and its exponents once per value tile on its
+    # programs: (1,32768,32,32) K=V=128 bf16, H200: forward 1.17 -> 0.90 ms with a stand-in tile
+    # (benchmarks/fused_probe.py, stop 27).
+    exprs["fused_scores_from_wy"] = exprs["state_pieces"] and t.delta
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []
     names += ["gates"]

@@ -307,13 +307,14 @@ def test_tuner_end_to_end_writes_winners_that_tiles_serves(gdn, isolated_cache):
         return 10.0 - len(picks[cand.stage])
 
     report = tune(spec, [case], chunk_sizes=[16], device=H200, timer=timer, max_candidates=2, progress=False)
-    assert [r.stage for r in report.results] == ["wy", "state", "output"]
+    # state_output: the state pass of a forward nothing differentiates, tuned on such a forward
+    assert [r.stage for r in report.results] == ["wy", "state", "output", "state_output"]
     for r in report.results:
         assert len(r.candidates) == 2 and not r.rejected
         assert r.winner.config == picks[r.stage][-1] and not r.winner.is_default
     assert report.chunk_winners[case] == 16
     doc = json.loads((isolated_cache / "cache" / "nvidia-h200-sm90.json").read_text())
-    assert len(doc["entries"]) == 4 and all(e["spec_hash"] == spec.hash for e in doc["entries"].values())
+    assert len(doc["entries"]) == 5 and all(e["spec_hash"] == spec.hash for e in doc["entries"].values())
     sizes = dict(K=16, V=16, BT=16, N=1, HV=2, dtype=torch.float32)
     inputs = make_inputs(spec, B=1, T=40, H=1, HV=2, K=16, V=16)
     with use_device(H200):

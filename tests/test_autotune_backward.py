@@ -113,7 +113,7 @@ def test_backward_problem_names_the_rule(stage, config, why):
 
 def test_stage_names_groups_and_which_specs_launch_what():
     assert space.expand_stages(["bwd"]) == list(space.BACKWARD_STAGES)
-    assert space.expand_stages(["state_bwd", "state", "fwd"]) == ["wy", "state", "output", "state_bwd"]
+    assert space.expand_stages(["state_bwd", "state", "fwd"]) == ["wy", "state", "output", "state_output", "state_bwd"]
     assert space.expand_stages(["all"]) == list(space.ALL_STAGES)
     with pytest.raises(ValueError, match="unknown"):
         space.expand_stages(["state_backward"])

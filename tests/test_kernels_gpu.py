@@ -187,3 +187,22 @@ def test_state_pass_in_pieces(name, dtype):
     with override(name, "state_pieces", value=1):
         o_one, ht_one = call(module, spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_one) <= TOL[dtype] / 10 and rel_rmse(ht, ht_one) <= TOL[dtype] / 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_output_matches_the_output_stage(dtype):
+    """A forward nothing differentiates at a long, many-head shape: the state pass writes the output
+    from the wy stage's scores (fused_output forced on, in pieces) against the unfused forward and
+    float64."""
+    from gdngen.runtime import override
+    name = "gated_delta_rule"
+    spec = load_spec(f"specs/{name}.yaml")
+    module = importlib.import_module(f"generated.{name}")
+    inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=9, B=1, T=8192, H=16, HV=32, K=128, V=128)
+    with override(name, "fused_output", value=True):
+        o, ht = call(module, spec, inputs, output_final_state=True)
+    with override(name, "fused_output", value=False):
+        o_unfused, ht_unfused = call(module, spec, inputs, output_final_state=True)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= TOL[dtype] and rel_rmse(ht, ht_ref) <= TOL[dtype]
+    assert rel_rmse(o, o_unfused) <= TOL[dtype] / 10 and rel_rmse(ht, ht_unfused) <= 1e-6

@@ -152,9 +152,58 @@ def test_a_forward_nothing_differentiates_writes_its_output_in_the_state_pass(na
         with record_stages() as kept_stages:
             o_kept, ht_kept = call(module, spec, leaves, output_final_state=True, chunk_size=16)
     assert "output" not in fused_stages and "output" in kept_stages
+    # the pass that writes the output asks for its own tiles (tuned on a no-grad forward)
+    assert "state_output" in fused_stages and "state" not in fused_stages and "state_output" not in kept_stages
     assert rel_rmse(o, o_kept.detach()) <= 1e-6 and torch.equal(ht, ht_kept.detach())
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_ref) <= 1e-5 and rel_rmse(ht, ht_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_output_with_the_wy_stages_scores_matches_the_output_stage(dtype):
+    """16-bit inputs: the state pass that writes the output loads the wy stage's decayed causal scores
+    (rounded to the values' dtype, as the output stage rounds its own before the same dot); its
+    output matches the unfused forward's to a few 16-bit roundings and the reference to the dtype's
+    error, on NaN-poisoned buffers."""
+    from gdngen.bf16_emulation import patch_bf16_interpreter
+    name = "gated_delta_rule"
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    from gdngen.runtime.tiles import record_stages
+    inputs = make_inputs(spec, B=1, T=96, H=1, HV=2, K=64, V=32, seed=14, dtype=dtype)
+    undo = patch_bf16_interpreter()          # bf16 dots and casts as on the GPU (gdngen.bf16_emulation)
+    try:
+        # two key tiles in the wy stage: its Q K^T sums two products where the output stage's has one
+        with override(name, "state_pieces", value=2), override(name, "wy", BK=32), poisoned_memory():
+            with override(name, "fused_output", value=False):
+                o_unfused, ht_unfused = call(module, spec, inputs, output_final_state=True, chunk_size=16)
+            with override(name, "fused_output", value=True), record_stages() as stages:
+                o, ht = call(module, spec, inputs, output_final_state=True, chunk_size=16)
+    finally:
+        undo()
+    assert "state_output" in stages and "output" not in stages
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    errors = dict(fused_vs_unfused=rel_rmse(o, o_unfused), fused=rel_rmse(o, o_ref), unfused=rel_rmse(o_unfused, o_ref))
+    bound = 6e-3 if dtype == torch.bfloat16 else 1e-3
+    assert errors["fused_vs_unfused"] <= bound / 4, errors
+    assert errors["fused"] <= bound and errors["fused"] <= errors["unfused"] * 1.1, errors
+    assert torch.equal(ht, ht_unfused)                  # the same state pass
+
+
+def test_the_state_pass_that_writes_the_output_is_a_tuning_stage_of_its_own():
+    from gdngen.autotune import space
+    from gdngen.runtime.tiles import default_tiles
+    assert "state_output" in space.stages_for(load_spec("specs/gated_delta_rule.yaml"))
+    assert "state_output" in space.stages_for(load_spec("specs/simple_gla.yaml"))
+    for other in ("gla", "kda", "delta_rule", "linear_attn"):      # no pieces, never fused
+        assert "state_output" not in space.stages_for(load_spec(f"specs/{other}.yaml"))
+    sizes = dict(K=128, V=128, BT=64, N=1, HV=32, dtype=torch.bfloat16)
+    assert default_tiles("state_output", **sizes) == dict(default_tiles("state", **sizes), num_stages=2)
+    pruned = []
+    configs = space.candidates("state_output", K=128, V=128, BT=64, dtype=torch.bfloat16,
+                               default=default_tiles("state_output", **sizes), pruned=pruned)
+    # the state kernel's rules hold: the whole K extent, never one pipeline stage (known bad)
+    assert configs and all(c["num_stages"] >= 2 and c["BK"] == 128 for c in configs)
+    assert any("known bad" in why for config, why in pruned if config["num_stages"] == 1)
 
 
 def test_the_output_is_fused_only_into_short_passes():
@@ -162,5 +211,7 @@ def test_the_output_is_fused_only_into_short_passes():
     assert fused_output("gated_delta_rule", B=8, T=2048, HV=16)          # host-bound: one launch fewer
     assert fused_output("gated_delta_rule", B=1, T=32768, HV=8)
     assert not fused_output("gated_delta_rule", B=1, T=32768, HV=32)     # the fused chain is slower there
+    # ... unless the pass loads the wy stage's scores (the delta rule): then always
+    assert fused_output("gated_delta_rule", B=1, T=32768, HV=32, scores_loaded=True)
     with override("gated_delta_rule", "fused_output", value=True):
         assert fused_output("gated_delta_rule", B=1, T=32768, HV=32)

@@ -15,12 +15,14 @@ Registers per thread  = ceil(live fp32 elements per program / (32 * num_warps)) 
           the diagonal of both), plus the [BT, BK] key tile (the stage has no V tile: no BV)
   state   the [BK, BV] fp32 state (the whole K extent: BK covers K), plus the [BT, BV] V_new tile
   output  the [BT, BV] output accumulator plus the [BT, BT] fp32 score block
+  state_output  the state's, plus the [BT, BV] output and the [BT, BT] score block
 must stay <= 255 (the per-thread hardware limit; past it the kernel spills to local memory).
 
 Shared memory per program = num_stages * (operand bytes streamed per loop step) + resident bytes
   wy      streamed [BT, BK] keys; resident T (BT x BT) on its way out
   state   streamed k [BT, BK], v [BT, BV] and T [BT, BT]; resident the state as a [BK, BV] dot operand
   output  streamed q, k [BT, BK] and h [BK, BV]; resident A [BT, BT] and V_new [BT, BV]
+  state_output  the state's, plus streamed q [BT, BK] and the scores [BT, BT]
 (element size of the input dtype) must fit the device's shared memory per block
 (:data:`gdngen.autotune.device.SMEM_PER_BLOCK`, 227 KiB on H100/H200, 48 KiB when unknown).
 
@@ -55,7 +57,9 @@ import torch
 
 from gdngen.autotune.device import DeviceInfo, SMEM_FALLBACK
 
-STAGES = ("wy", "state", "output")
+# state_output: the state pass of a forward nothing differentiates, which writes the output itself
+# (tiles.fused_output); it replaces state and output there and is tuned on such a forward
+STAGES = ("wy", "state", "output", "state_output")
 # backward stages in launch order; the runtime (backward_tiles) names them without the suffix
 BACKWARD_SUFFIX = "_bwd"
 BACKWARD_STAGES = ("wy_prep_bwd", "intra_bwd", "state_bwd", "chunk_bwd", "wy_bwd", "wy_decay_bwd")
@@ -161,8 +165,10 @@ KNOWN_BAD: tuple[Exclusion, ...] = (
 
 
 def excluded(stage: str, config: dict, shape: dict) -> Optional[Exclusion]:
+    # state_output launches the state kernel: its known-bad configs are the state stage's
+    kernel_stage = "state" if stage == "state_output" else stage
     for rule in KNOWN_BAD:
-        if rule.matches(stage, config, shape):
+        if rule.matches(kernel_stage, config, shape):
             return rule
     return None
 
@@ -185,6 +191,8 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
             return math.ceil((2 * BT * BT + 4 * BT * BK) / (32 * config["num_warps"])) + REG_OVERHEAD
     elif stage == "state":
         live = BK * BV + BT * BV
+    elif stage == "state_output":
+        live = BK * BV + 2 * BT * BV + BT * BT
     elif stage == "output":
         # per channel: a second [BT, BT] (the level sums, then the diagonal) and the level's
         # q-or-k, g and g_r tiles (ptxas: 115 registers at BT=64, BK=32, BV=128, 8 warps, 2 stages)
@@ -219,6 +227,8 @@ def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
         streamed, resident = BT * BK, BT * BT
     elif stage == "state":
         streamed, resident = BT * (BK + BV + BT), BK * BV
+    elif stage == "state_output":
+        streamed, resident = BT * (2 * BK + BV + 2 * BT), BK * BV
     elif stage == "output":
         streamed, resident = 2 * BT * BK + BK * BV, BT * BT + BT * BV
     elif stage in ("wy_prep_bwd", "wy_decay_bwd"):
@@ -295,14 +305,17 @@ def is_valid(stage: str, config: dict, *, K: int, V: int) -> bool:
     for tile, dim in ((BK, K),) + (() if BV is None else ((BV, V),)):
         if tile < MIN_TILE or tile & (tile - 1) or tile > max(128, _pow2(dim)):
             return False
-    if stage == "state" and BK != max(MIN_TILE, _pow2(K)):   # the state keeps the whole K extent
+    if stage in ("state", "state_output") and BK != max(MIN_TILE, _pow2(K)):   # the state keeps the whole K extent
         return False
     return w in (1, 2, 4, 8, 16) and 1 <= s <= 8
 
 
 def stages_for(spec) -> list[str]:
-    """Stages a spec's chunk forward launches with tiles(): the WY stage only for the delta family."""
-    return [s for s in STAGES if s != "wy" or spec.transition.delta]
+    """Stages a spec's chunk forward launches with tiles(): the WY stage only for the delta family,
+    state_output only where the state pass can write the output (scalar decay: plan's state_pieces)."""
+    from gdngen.plan import build_plan          # sympy: only when a forward is tuned
+    fused = build_plan(spec).exprs.get("state_pieces", False) if spec.has_decay else False
+    return [s for s in STAGES if (s != "wy" or spec.transition.delta) and (s != "state_output" or fused)]
 
 
 def per_channel(spec) -> bool:
@@ -333,7 +346,7 @@ def _distance(config: dict, default: dict) -> tuple:
 
 def _axes(stage: str, K: int, V: int, default: dict) -> tuple:
     """(BK, BV, num_warps, num_stages) values to combine for one stage."""
-    if stage in ("state", "state_bwd"):
+    if stage in ("state", "state_output", "state_bwd"):
         bks = [max(MIN_TILE, _pow2(K))]                 # the state keeps the whole K extent
     elif stage in BACKWARD_WIDE_STAGES:
         floor = INTRA_MIN_BK if stage == "intra_bwd" else BACKWARD_MIN_WIDE_TILE

@@ -256,7 +256,8 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
         shapes: ShapeCase objects, or ``(B, T, H, HV, K, V)`` tuples (bf16 on a GPU, fp32 otherwise).
         timer: ``timer(fn, candidate) -> ms``; default ``triton.testing.do_bench`` median on CUDA,
             wall-clock under the interpreter.
-        stages: stage names and group words (default ``fwd``): forward wy, state, output; backward
+        stages: stage names and group words (default ``fwd``): forward wy, state, output, state_output
+            (the state pass of a forward nothing differentiates, which writes the output); backward
             wy_prep_bwd, intra_bwd, state_bwd, chunk_bwd, wy_bwd, wy_decay_bwd; ``fwd``, ``bwd``,
             ``all``. Stages the spec does not launch are skipped.
         chunk_sizes: subset of ``spec.chunk.sizes`` (default all of them).
@@ -297,6 +298,10 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
         # the forward as training and long prefills launch it: a short inference call's state pass
         # may write the output itself (tiles.fused_output), which would leave the output stage untuned
         with override(spec.name, "fused_output", value=False):
+            return fn(**inputs, output_final_state=True, chunk_size=BT)
+
+    def fused_run(inputs, BT):
+        with override(spec.name, "fused_output", value=True), torch.no_grad():
             return fn(**inputs, output_final_state=True, chunk_size=BT)
 
     def stage_candidates(stage, case, BT, sizes):
@@ -369,6 +374,17 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
                         best_total = result.winner.ms
                     if best_total is not None:
                         report.chunk_totals[(case, BT)] = best_total
+                    if "state_output" in fwd_wanted and "state_output" in tunable and runner is None:
+                        # the state pass that writes the output runs only in a forward nothing
+                        # differentiates: tuned on one, the other stages at their best so far
+                        with record_stages() as seen:
+                            with poisoned_memory():
+                                with _pinned(spec.name, fwd_best):
+                                    fused_reference = fused_run(inputs, BT)
+                        if "state_output" in seen:
+                            result = tune_one(case, BT, "state_output", sizes, dict(fwd_best), fused_run, inputs,
+                                              fused_reference, check_outputs)
+                            fwd_best["state_output"] = dict(result.winner.config)
                 if bwd_wanted:
                     # forward stages at their best so far, backward stages at their defaults
                     bwd_defaults = {s: _stage_default(s, sizes, vector) for s in bwd_stages}

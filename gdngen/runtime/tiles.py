@@ -60,6 +60,16 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # 0.44 (0.41 before) - worth a new sweep of the warps on the H200.
             return {"BK": min(32, pk), "num_warps": 4, "num_stages": 1}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
+    if stage == "state_output":
+        # The state pass writing the output too (a forward nothing differentiates, fused_output):
+        # value tiles of at most 32 and two pipeline stages. H200, K=V=128 bf16, forward ms with
+        # BV = 32 / 64 / 16 (4 warps, 2 stages; 8 warps at BV=32 was 1.7-1.8x slower everywhere):
+        # (1,32768,32,32) 1.098 / 1.150 / 1.476, (4,8192,16,32) 1.015 / 1.109 / 1.444, (1,131072,16,32)
+        # 4.147 / 4.503 / 5.973, (8,2048,16,16) 0.285 / 0.296 / 0.385, (1,32768,2,8) 0.287 / 0.299 /
+        # 0.387; three stages at (1,32768,32,32): 186 registers and one program per SM (offline SASS),
+        # 1.06 ms against 0.90 with two in a stand-in run (benchmarks/fused_probe.py, stop 27).
+        config = default_tiles("state", K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
+        return dict(config, BV=min(32, config["BV"]), num_stages=2)
     if stage == "state":
         # the whole K extent of the state stays in registers: narrow V tiles for large K
         bv = min(pv, 64 if pk <= 128 else 16)
@@ -183,13 +193,21 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
 FUSED_OUTPUT_MAX_TOKEN_HEADS = 1 << 19
 
 
-def fused_output(spec_name: str, *, B: int, T: int, HV: int) -> bool:
-    """Whether a forward that keeps no states for a backward lets its state pass write the output
-    (:data:`FUSED_OUTPUT_MAX_TOKEN_HEADS`); ``override(spec, "fused_output", value=...)`` forces it."""
+def fused_output(spec_name: str, *, B: int, T: int, HV: int, scores_loaded: bool = False) -> bool:
+    """Whether a forward that keeps no states for a backward lets its state pass write the output;
+    ``override(spec, "fused_output", value=...)`` forces it.
+
+    ``scores_loaded`` (the delta rule: plan's fused_scores_from_wy): the wy stage writes the output's
+    scores and the pass loads them; then always. H200, K=V=128 bf16, forward ms unfused -> fused
+    (state_output tiles BV=32, 4 warps, 2 stages): (1,32768,32,32) 1.199 -> 1.098, (4,8192,16,32)
+    1.079 -> 1.015, (1,131072,16,32) 4.888 -> 4.147, (8,2048,16,16) 0.308 -> 0.285, (1,32768,2,8)
+    0.362 -> 0.287 (benchmarks/fused_probe.py, stop 27). Otherwise the pass forms Q K^T and its
+    exponents per value tile itself, and only short passes gain
+    (:data:`FUSED_OUTPUT_MAX_TOKEN_HEADS`)."""
     forced = _OVERRIDES.get((spec_name, "fused_output"))
     if forced is not None:
         return bool(forced["value"])
-    return B * T * HV <= FUSED_OUTPUT_MAX_TOKEN_HEADS
+    return scores_loaded or B * T * HV <= FUSED_OUTPUT_MAX_TOKEN_HEADS
 
 
 def window_log_tolerance(dtype: torch.dtype) -> float:
@@ -201,7 +219,8 @@ def window_log_tolerance(dtype: torch.dtype) -> float:
 def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
           H: Optional[int] = None, T: Optional[int] = None, spec_hash: Optional[str] = None,
           per_channel: bool = False, context: Optional[tuple] = None) -> dict:
-    """Launch parameters (BK, BV, num_warps, num_stages) for one launch of ``stage``.
+    """Launch parameters (BK, BV, num_warps, num_stages) for one launch of ``stage`` (``wy``,
+    ``state``, ``output``, or ``state_output``: the state pass when it also writes the output).
 
     ``H`` (query heads), ``T`` (sequence length, only its short/long bucket is used) and
     ``spec_hash`` are optional: with them the cache lookup matches exactly; without them the

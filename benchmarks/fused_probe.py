@@ -1,0 +1,148 @@
+"""Forward variants of gated_delta_rule side by side (CUDA only; an experiment, stop 27).
+
+    python benchmarks/fused_probe.py [--cases "1,32768,32,32"] [--out rows.jsonl]
+
+* ``default fwd``: the forward as shipped (no_grad, so the output is fused into the state pass where
+  ``tiles.fused_output`` allows it); ``fused_output=True/False``: forced either way.
+* ``fused state_output BV=.. w=.. s=..``: fused, with those tiles for the pass.
+
+Stop 27's first run (benchmarks/results/2026-12-01-h200-stop27-call1-probe.jsonl) priced the wy stage's
+scores before they existed: a copy of the module whose fused output loaded the wy stage's T as a
+stand-in [BT, BT] tile (rows ``fused+aqk-standin``; wrong outputs, times only).
+* ``--split``: ``dtypes.intermediates: split`` built into a temp folder; forward and forward+backward,
+  and the relative error of o against float64 at T=4096 beside the base's.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+import yaml  # noqa: E402
+
+
+def load_module(path: Path, name: str):
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def split_module(folder: Path):
+    from gdngen.cli import main
+    d = yaml.safe_load((ROOT / "specs" / "gated_delta_rule.yaml").read_text())
+    d["name"] = "gated_delta_rule_split"
+    d.setdefault("dtypes", {})["intermediates"] = "split"
+    path = folder / "gated_delta_rule_split.yaml"
+    path.write_text(yaml.safe_dump(d))
+    assert main(["build", str(path), "--out", str(folder / "gen")]) == 0
+    return load_module(folder / "gen" / "gated_delta_rule_split.py", "gated_delta_rule_split")
+
+
+def inputs(B, T, H, HV, K=128, V=128, seed=0, grad=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+    x = dict(q=randn(B, T, H, K).bfloat16(), k=torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16(),
+             v=randn(B, T, HV, V).bfloat16(), g=torch.nn.functional.logsigmoid(randn(B, T, HV) + 2.0),
+             beta=torch.sigmoid(randn(B, T, HV)))
+    if grad:
+        for t in x.values():
+            t.requires_grad_(True)
+    return x
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="1,32768,32,32")
+    parser.add_argument("--fused-tiles", default="", help='state_output tiles to try at every case, e.g. "32,4,2 64,8,2"')
+    parser.add_argument("--split", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from gdngen.runtime import override
+    base = importlib.import_module("generated.gated_delta_rule")
+    folder = Path(tempfile.mkdtemp())
+    split = split_module(folder) if args.split else None
+    out = open(args.out, "a") if args.out else None
+
+    def record(row):
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+    def op(module):
+        return getattr(module, "chunk_" + module.SPEC.name)
+
+    def time_fwd(module, x, **kw):
+        fn = op(module)
+        with torch.no_grad():
+            def run():
+                return fn(**x, **kw)
+            run()
+            torch.cuda.synchronize()
+            return triton.testing.do_bench(run, warmup=100, rep=400, return_mode="median")
+
+    def time_train(module, x):
+        fn = op(module)
+        do = torch.randn_like(x["v"])
+
+        def run():
+            o, _ = fn(**x)
+            torch.autograd.grad(o, [x[n] for n in ("q", "k", "v", "g", "beta")], do)
+        run()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(run, warmup=100, rep=400, return_mode="median")
+
+    def guarded(fn, *a):
+        try:
+            return fn(*a)
+        except Exception as exc:  # a tile that does not compile or fit is a row too
+            return f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+
+    for text in args.cases.split():
+        B, T, H, HV = (int(n) for n in text.split(","))
+        x = inputs(B, T, H, HV)
+        case = dict(B=B, T=T, H=H, HV=HV)
+        record(dict(case, variant="default fwd", ms=time_fwd(base, x)))
+        for fused in (False, True):
+            with override("gated_delta_rule", "fused_output", value=fused):
+                record(dict(case, variant=f"fused_output={fused} fwd", ms=time_fwd(base, x)))
+        for tile in args.fused_tiles.split():
+            bv, w, st = (int(n) for n in tile.split(","))
+            with override("gated_delta_rule", "fused_output", value=True), \
+                    override("gated_delta_rule", "state_output", BV=bv, num_warps=w, num_stages=st):
+                record(dict(case, variant=f"fused state_output BV={bv} w={w} s={st}", ms=guarded(time_fwd, base, x)))
+        if split is not None:
+            record(dict(case, variant="split fwd", ms=time_fwd(split, x)))
+            with override("gated_delta_rule_split", "output", BV=64, BK=32, num_warps=4):
+                record(dict(case, variant="split fwd output BV=64 BK=32 w=4", ms=time_fwd(split, x)))
+            xg = inputs(B, T, H, HV, grad=True)
+            record(dict(case, variant="base fwd+bwd", ms=time_train(base, xg)))
+            record(dict(case, variant="split fwd+bwd", ms=time_train(split, xg)))
+    if split is not None:
+        from gdngen.reference import run as reference_run
+        from gdngen.spec import load_spec
+        spec = load_spec(str(ROOT / "specs" / "gated_delta_rule.yaml"))
+        x = inputs(1, 4096, 16, 32, seed=3)
+        ref, _ = reference_run(spec, *(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), form="chunked",
+                               chunk_size=64)
+        with torch.no_grad():
+            for label, module in (("base", base), ("split", split)):
+                o, _ = op(module)(**x)
+                err = ((o.double().cpu() - ref).norm() / ref.norm()).item()
+                record(dict(B=1, T=4096, H=16, HV=32, variant=f"{label} precision", rel_l2=err))
+
+
+if __name__ == "__main__":
+    main()
