@@ -66,6 +66,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="1,32768,32,32")
     parser.add_argument("--fused-tiles", default="", help='state_output tiles to try at every case, e.g. "32,4,2 64,8,2"')
+    parser.add_argument("--wy-tiles", default="", help='wy tiles for the fused forward, e.g. "64,4,2 128,2,1" (BK,warps,stages)')
     parser.add_argument("--split", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -123,6 +124,10 @@ def main():
             with override("gated_delta_rule", "fused_output", value=True), \
                     override("gated_delta_rule", "state_output", BV=bv, num_warps=w, num_stages=st):
                 record(dict(case, variant=f"fused state_output BV={bv} w={w} s={st}", ms=guarded(time_fwd, base, x)))
+        for tile in args.wy_tiles.split():
+            bk, w, st = (int(n) for n in tile.split(","))
+            with override("gated_delta_rule", "wy", BK=bk, num_warps=w, num_stages=st):
+                record(dict(case, variant=f"fused, wy BK={bk} w={w} s={st}", ms=guarded(time_fwd, base, x)))
         if split is not None:
             record(dict(case, variant="split fwd", ms=time_fwd(split, x)))
             with override("gated_delta_rule_split", "output", BV=64, BK=32, num_warps=4):
