@@ -130,8 +130,8 @@ def main():
                 record(dict(case, variant=f"fused, wy BK={bk} w={w} s={st}", ms=guarded(time_fwd, base, x)))
         if split is not None:
             record(dict(case, variant="split fwd", ms=time_fwd(split, x)))
-            with override("gated_delta_rule_split", "output", BV=64, BK=32, num_warps=4):
-                record(dict(case, variant="split fwd output BV=64 BK=32 w=4", ms=time_fwd(split, x)))
+            with override("gated_delta_rule_split", "fused_output", value=False):
+                record(dict(case, variant="split fwd, output stage", ms=time_fwd(split, x)))
             xg = inputs(B, T, H, HV, grad=True)
             record(dict(case, variant="base fwd+bwd", ms=time_train(base, xg)))
             record(dict(case, variant="split fwd+bwd", ms=time_train(split, xg)))
@@ -144,9 +144,11 @@ def main():
                                chunk_size=64)
         with torch.no_grad():
             for label, module in (("base", base), ("split", split)):
-                o, _ = op(module)(**x)
-                err = ((o.double().cpu() - ref).norm() / ref.norm()).item()
-                record(dict(B=1, T=4096, H=16, HV=32, variant=f"{label} precision", rel_l2=err))
+                for fused in (True, False):
+                    with override(module.SPEC.name, "fused_output", value=fused):
+                        o, _ = op(module)(**x)
+                    err = ((o.double().cpu() - ref).norm() / ref.norm()).item()
+                    record(dict(B=1, T=4096, H=16, HV=32, variant=f"{label} precision, fused={fused}", rel_l2=err))
 
 
 if __name__ == "__main__":
