@@ -181,6 +181,13 @@ def build_plan(spec: Spec) -> Plan:
         purposes = {"wy": STAGES["wy"].purpose + "; the output's decayed scores A_qk on the same exponent tiles",
                     "output": "outputs: inter-chunk (Q S) plus the wy stage's A_qk over V_new"}
         stages = tuple(Stage(s.name, s.template, s.kernel, purposes.get(s.name, s.purpose)) for s in stages)
+    elif exprs["fused_scores_from_wy"]:
+        purposes = {"wy": STAGES["wy"].purpose + "; in a no-grad forward also the output's scores (Q K^T) * decay",
+                    "state": STAGES["state"].purpose + "; in a no-grad forward the output instead (from wy's scores)"}
+        stages = tuple(Stage(s.name, s.template, s.kernel, purposes.get(s.name, s.purpose)) for s in stages)
+    elif exprs["state_pieces"]:
+        purposes = {"state": STAGES["state"].purpose + "; in a short no-grad forward the output instead"}
+        stages = tuple(Stage(s.name, s.template, s.kernel, purposes.get(s.name, s.purpose)) for s in stages)
     backward_backend, backward_stages, backward_reason, backward_exprs = _backward_plan(spec, alg)
     exprs.update(backward_exprs)
     return Plan(spec=spec, backend="triton", stages=stages,
