@@ -162,8 +162,8 @@ def build_plan(spec: Spec) -> Plan:
     # delta rule the wy stage then also writes the output's causal scores A_qk = (Q K^T) * score_decay
     # (one more [BT, BK] @ [BK, BT] dot per key tile on the k tiles it loads anyway), so the sequential
     # pass loads a [BT, BT] tile instead of forming Q K^T and its exponents once per value tile on its
-    # programs: (1,32768,32,32) K=V=128 bf16, H200: forward 1.17 -> 0.90 ms with a stand-in tile
-    # (benchmarks/fused_probe.py, stop 27).
+    # programs. H200, K=V=128 bf16: the fused forward 1.167 -> 1.098 ms at (1,32768,32,32), below the
+    # unfused 1.199 at every #10 shape (benchmarks/NOTES.md, stop 27; tiles.fused_output).
     exprs["fused_scores_from_wy"] = exprs["state_pieces"] and t.delta
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []

@@ -10,8 +10,9 @@ have the same readable layout::
                   "spec_hash": "21f8afa1ca95e115", "triton": "3.6.0", "ms": 1.61, "default_ms": 1.69, ...}}}
 
 An entry is keyed by spec name, stage and *shape class*. The stage is a forward stage (``wy``,
-``state``, ``output``, ``state_output``: the state pass that writes the output), a backward one with a ``_bwd`` suffix (``wy_prep_bwd``, ``intra_bwd``,
-``state_bwd``, ``chunk_bwd``, ``wy_bwd``, ``wy_decay_bwd``: read by ``backward_tiles``), or chunk-size
+``state``, ``output``, ``state_output``: the state pass that writes the output), a backward one with
+a ``_bwd`` suffix (``wy_prep_bwd``, ``intra_bwd``, ``state_bwd``, ``chunk_bwd``, ``wy_bwd``,
+``wy_decay_bwd``: read by ``backward_tiles``), or chunk-size
 advice (``chunk``: fastest forward, ``chunk_train``: fastest forward + backward). The shape class
 is what changes the compiled code (H, HV, K, V, dtype, chunk size) plus two coarse buckets - how many (sequence, value head) programs there are
 relative to the SM count, and whether sequences are short (T <= 4096) or long. Never the exact
