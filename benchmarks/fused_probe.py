@@ -9,6 +9,13 @@
 Stop 27's first run (benchmarks/results/2026-12-01-h200-stop27-call1-probe.jsonl) priced the wy stage's
 scores before they existed: a copy of the module whose fused output loaded the wy stage's T as a
 stand-in [BT, BT] tile (rows ``fused+aqk-standin``; wrong outputs, times only).
+* ``--fused-tiles "32,4,2,tma"``: a fourth field ``tma`` loads the pass's tiles through TMA descriptors
+  (stop 28); such rows also give ``max_abs_vs_pointer_loads``, against the same tiles without TMA.
+* ``--train-state-tiles "32,4,2,tma"``: forward + backward with those tiles for the training forward's
+  (unfused) state pass.
+* ``--bwd-tiles "wy:TMA=1 chunk:BK=128,num_warps=8"``: forward + backward with one backward stage's
+  launch parameters overridden (``override_backward``); each row also gives ``max_abs_grad_vs_default``,
+  the largest difference of any gradient against the default tiles' (0: bitwise the same).
 * ``--split``: ``dtypes.intermediates: split`` built into a temp folder; forward and forward+backward,
   and the relative error of o against float64 at T=4096 beside the base's.
 """
@@ -62,11 +69,19 @@ def inputs(B, T, H, HV, K=128, V=128, seed=0, grad=False):
     return x
 
 
+def parse_tile(text):
+    """"BV,warps,stages[,tma]" -> (BV, warps, stages, tma)."""
+    fields = text.split(",")
+    return int(fields[0]), int(fields[1]), int(fields[2]), len(fields) > 3 and fields[3] == "tma"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="1,32768,32,32")
     parser.add_argument("--fused-tiles", default="", help='state_output tiles to try at every case, e.g. "32,4,2 64,8,2"')
     parser.add_argument("--wy-tiles", default="", help='wy tiles for the fused forward, e.g. "64,4,2 128,2,1" (BK,warps,stages)')
+    parser.add_argument("--train-state-tiles", default="", help='state tiles for forward+backward, e.g. "32,4,2 32,4,2,tma"')
+    parser.add_argument("--bwd-tiles", default="", help='backward overrides, e.g. "wy:TMA=1 wy:BK=128,num_warps=8,TMA=1"')
     parser.add_argument("--split", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -120,10 +135,46 @@ def main():
             with override("gated_delta_rule", "fused_output", value=fused):
                 record(dict(case, variant=f"fused_output={fused} fwd", ms=time_fwd(base, x)))
         for tile in args.fused_tiles.split():
-            bv, w, st = (int(n) for n in tile.split(","))
-            with override("gated_delta_rule", "fused_output", value=True), \
-                    override("gated_delta_rule", "state_output", BV=bv, num_warps=w, num_stages=st):
-                record(dict(case, variant=f"fused state_output BV={bv} w={w} s={st}", ms=guarded(time_fwd, base, x)))
+            bv, w, st, tma = parse_tile(tile)
+            with override("gated_delta_rule", "fused_output", value=True):
+                row = dict(case, variant=f"fused state_output BV={bv} w={w} s={st}{' tma' if tma else ''}")
+                with override("gated_delta_rule", "state_output", BV=bv, num_warps=w, num_stages=st, TMA=tma):
+                    row["ms"] = guarded(time_fwd, base, x)
+                    if tma and not isinstance(row["ms"], str):
+                        with torch.no_grad():
+                            o_tma = op(base)(**x)[0]
+                with override("gated_delta_rule", "state_output", BV=bv, num_warps=w, num_stages=st):
+                    if tma and not isinstance(row["ms"], str):
+                        with torch.no_grad():
+                            row["max_abs_vs_pointer_loads"] = (o_tma.float() - op(base)(**x)[0].float()).abs().max().item()
+                record(row)
+        if args.train_state_tiles:
+            xg = inputs(B, T, H, HV, grad=True)
+            for tile in args.train_state_tiles.split():
+                bv, w, st, tma = parse_tile(tile)
+                with override("gated_delta_rule", "state", BV=bv, num_warps=w, num_stages=st, TMA=tma):
+                    record(dict(case, variant=f"fwd+bwd, state BV={bv} w={w} s={st}{' tma' if tma else ''}",
+                                ms=guarded(time_train, base, xg)))
+        if args.bwd_tiles:
+            from gdngen.runtime.backward_tiles import override_backward
+            xg = inputs(B, T, H, HV, grad=True)
+            do = torch.randn_like(xg["v"])
+            leaves = [xg[n] for n in ("q", "k", "v", "g", "beta")]
+            grads_default = torch.autograd.grad(op(base)(**xg)[0], leaves, do)
+            record(dict(case, variant="fwd+bwd, default backward tiles", ms=time_train(base, xg)))
+            for item in args.bwd_tiles.split():
+                stage, _, fields = item.partition(":")
+                config = {key: int(value) for key, value in (f.split("=") for f in fields.split(","))}
+                if "TMA" in config:
+                    config["TMA"] = bool(config["TMA"])
+                row = dict(case, variant=f"fwd+bwd, {stage} backward {config}")
+                with override_backward(stage, **config):
+                    row["ms"] = guarded(time_train, base, xg)
+                    if not isinstance(row["ms"], str):
+                        grads = torch.autograd.grad(op(base)(**xg)[0], leaves, do)
+                        row["max_abs_grad_vs_default"] = max((a.float() - b.float()).abs().max().item()
+                                                             for a, b in zip(grads, grads_default))
+                record(row)
         for tile in args.wy_tiles.split():
             bk, w, st = (int(n) for n in tile.split(","))
             with override("gated_delta_rule", "wy", BK=bk, num_warps=w, num_stages=st):

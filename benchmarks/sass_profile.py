@@ -270,6 +270,16 @@ def occupancy(regs, warps, shared):
     return max(0, min(65536 // (per_warp * warps), 233472 // (shared + 1024), 64 // warps, 32))
 
 
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
+
+
 def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd",)):
     import triton
     from triton.compiler import ASTSource
@@ -283,7 +293,7 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
         # forward stages by name; backward ones as "chunk", "intra", ... or, where a forward stage has the
         # same name, with a suffix: "wy_bwd", "state_bwd"
         for stage, config in overrides.items():
-            if stage in ("output", "state", "wy", "fused_output", "state_pieces", "store_wu"):
+            if stage in ("output", "state", "state_output", "wy", "fused_output", "state_pieces", "store_wu"):
                 for name in specs:
                     stack.enter_context(tiles.override(name, stage, **config))
             else:
@@ -296,6 +306,9 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
             if spec.name not in specs:
                 continue
             module = importlib.import_module(f"generated.{spec.name}")
+            if hasattr(module, "tma_config"):
+                # the launches are recorded on CPU tensors for an sm_90 target: a config's TMA stands
+                stack.enter_context(_patched(module, "tma_config", lambda config, *tensors, sizes=(): config))
             seen = set()
             for phase, launch in cc.capture(spec, module, cc.Shape(K, V, BT, dtype, B, H, HV)):
                 key = cc._key(launch)

@@ -7,13 +7,14 @@ It times kernels: run it alone on the GPU (``python3 -m pytest -v tests/test_aut
 beside other GPU work (``benchmarks/gpu_tier.sh`` leaves it out for that reason).
 """
 import importlib
+import time
 
 import pytest
 import torch
 import triton
 
 from gdngen.autotune import cache
-from gdngen.autotune.tuner import ShapeCase, format_report, tune
+from gdngen.autotune.tuner import ShapeCase, device_time_ms, format_report, tune
 from gdngen.runtime import override
 from gdngen.selfcheck import call, make_inputs, reference_outputs, rel_rmse
 from gdngen.spec import load_spec
@@ -86,3 +87,30 @@ def test_every_accepted_candidate_matches_the_default(isolated_cache):
             assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3, candidate.label
             checked += 1
     assert checked >= 2
+
+
+def test_device_timer_leaves_out_the_host():
+    """A call that spends 2 ms on the host and ~0.2 ms on the GPU: the tuner's timer says ~0.2 ms
+    (do_bench, which waits on the host, says >= 2), and a call that synchronises gives None."""
+    from gdngen.autotune.tuner import _sleep_cycles_per_ms
+    cycles = int(0.2 * _sleep_cycles_per_ms())
+
+    def host_heavy():
+        time.sleep(0.002)
+        torch.cuda._sleep(cycles)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    kernel_ms = start.elapsed_time(end)
+    ms = device_time_ms(host_heavy, warmup=2, reps=10, rounds=3)
+    assert ms is not None and 0.8 * kernel_ms < ms < 1.25 * kernel_ms + 0.02, (ms, kernel_ms)
+    assert triton.testing.do_bench(host_heavy, warmup=5, rep=50, return_mode="median") > 1.9
+
+    def synchronising():
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+
+    assert device_time_ms(synchronising, warmup=1, reps=5, rounds=2) is None

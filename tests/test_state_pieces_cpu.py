@@ -197,12 +197,16 @@ def test_the_state_pass_that_writes_the_output_is_a_tuning_stage_of_its_own():
     for other in ("gla", "kda", "delta_rule", "linear_attn"):      # no pieces, never fused
         assert "state_output" not in space.stages_for(load_spec(f"specs/{other}.yaml"))
     sizes = dict(K=128, V=128, BT=64, N=1, HV=32, dtype=torch.bfloat16)
-    assert default_tiles("state_output", **sizes) == dict(default_tiles("state", **sizes), num_stages=2)
+    # 16-bit inputs load the pass's tiles through TMA descriptors; float32 keeps pointer loads
+    assert default_tiles("state_output", **sizes) == dict(default_tiles("state", **sizes), num_stages=2, TMA=True)
+    assert not default_tiles("state_output", **dict(sizes, dtype=torch.float32))["TMA"]
+    assert "TMA" not in default_tiles("state", **sizes)
     pruned = []
     configs = space.candidates("state_output", K=128, V=128, BT=64, dtype=torch.bfloat16,
                                default=default_tiles("state_output", **sizes), pruned=pruned)
-    # the state kernel's rules hold: the whole K extent, never one pipeline stage (known bad)
-    assert configs and all(c["num_stages"] >= 2 and c["BK"] == 128 for c in configs)
+    # the state kernel's rules hold: the whole K extent, never one pipeline stage (known bad); every
+    # candidate keeps the default's TMA switch (the cache stores the tiles only: see test_autotune)
+    assert configs and all(c["num_stages"] >= 2 and c["BK"] == 128 and c["TMA"] for c in configs)
     assert any("known bad" in why for config, why in pruned if config["num_stages"] == 1)
 
 
@@ -215,3 +219,37 @@ def test_the_output_is_fused_only_into_short_passes():
     assert fused_output("gated_delta_rule", B=1, T=32768, HV=32, scores_loaded=True)
     with override("gated_delta_rule", "fused_output", value=True):
         assert fused_output("gated_delta_rule", B=1, T=32768, HV=32)
+
+
+@pytest.mark.parametrize("name", SPLIT_SPECS)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_the_state_pass_through_tma_descriptors_matches_its_pointer_loads(name, fused, pieces):
+    """Tile config TMA=True: the state pass loads its tiles through tensor descriptors (bounded by
+    each sequence's or walk's rows, zero-filled past them, as the masks do). T = 200 ends in a
+    partial chunk; every output against the pointer loads' and the reference, NaN-poisoned buffers."""
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    from gdngen.runtime.tiles import record_stages
+    inputs = make_inputs(spec, B=2, T=200, H=1, HV=2, K=16, V=16, seed=21)
+    stage = "state_output" if fused else "state"
+    outputs = {}
+    for tma in (False, True):
+        with override(name, "state_pieces", value=pieces), override(name, "fused_output", value=fused), \
+                override(name, stage, TMA=tma), poisoned_memory(), record_stages() as stages:
+            outputs[tma] = call(module, spec, inputs, output_final_state=True, chunk_size=16)
+        assert stage in stages
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    (o, ht), (o_tma, ht_tma) = outputs[False], outputs[True]
+    assert torch.equal(o_tma, o) and torch.equal(ht_tma, ht)
+    assert rel_rmse(o_tma, o_ref) <= 1e-5 and rel_rmse(ht_tma, ht_ref) <= 1e-5
+
+
+def test_tma_is_dropped_where_descriptors_cannot_address_the_tiles(monkeypatch):
+    """A config asking for TMA keeps it only for 16-byte aligned rows and bases."""
+    from gdngen.runtime.tma import tma_config
+    monkeypatch.setenv("TRITON_INTERPRET", "1")          # CPU tensors: the interpreter's descriptors
+    x = torch.zeros(2, 64, 2, 16)
+    assert tma_config({"TMA": True}, x, x, sizes=(16, 16, 16))["TMA"]
+    assert not tma_config({"TMA": True}, x, x, sizes=(16, 10, 16))["TMA"]        # V = 10 floats: 40-byte rows
+    assert not tma_config({"TMA": True}, x.view(-1)[1:], sizes=(16,))["TMA"]     # a base 4 bytes off
+    assert tma_config({"BV": 32}, x, sizes=(10,)) == {"BV": 32}                  # no TMA asked: unchanged

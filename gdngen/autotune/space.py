@@ -339,9 +339,10 @@ def chunk_sizes(spec) -> list[int]:
 
 
 def _distance(config: dict, default: dict) -> tuple:
-    changed = sum(config[k] != default[k] for k in default)
-    spread = sum(abs(math.log2(config[k] / default[k])) for k in default)
-    return changed, spread, tuple(config[k] for k in sorted(default))
+    tiles = [k for k in sorted(default) if not isinstance(default[k], bool)]     # path switches are shared
+    changed = sum(config[k] != default[k] for k in tiles)
+    spread = sum(abs(math.log2(config[k] / default[k])) for k in tiles)
+    return changed, spread, tuple(config[k] for k in tiles)
 
 
 def _axes(stage: str, K: int, V: int, default: dict) -> tuple:
@@ -383,6 +384,8 @@ def candidates(stage: str, *, K: int, V: int, BT: int, dtype: torch.dtype, defau
     for bk, bv, w, s in itertools.product(*_axes(stage, K, V, default)):
         config = {"BK": bk, "num_warps": w, "num_stages": s} if bv is None else \
             {"BK": bk, "BV": bv, "num_warps": w, "num_stages": s}
+        if "TMA" in default:
+            config["TMA"] = default["TMA"]              # a path choice the candidates share, not an axis
         if config == default:
             continue
         rule = excluded(stage, config, shape)

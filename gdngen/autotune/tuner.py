@@ -84,6 +84,7 @@ class Candidate:
     is_default: bool = False
     ms: Optional[float] = None
     rejected: Optional[str] = None
+    host_included: bool = False     # timed by do_bench: the device time could not be isolated
 
     @property
     def label(self) -> str:
@@ -132,8 +133,77 @@ def _bench_timer(fn: Callable, candidate: Candidate) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+_SLEEP_CYCLES_PER_MS: list = []
+
+
+def _sleep_cycles_per_ms() -> float:
+    """The GPU's clock as ``torch.cuda._sleep`` counts it (cycles per ms), measured once."""
+    if not _SLEEP_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles // 10)              # the first launch's cost is not the clock's
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS.append(cycles / max(start.elapsed_time(end), 1e-3))
+    return _SLEEP_CYCLES_PER_MS[0]
+
+
+def device_time_ms(fn: Callable, *, warmup: int = 5, reps: int = 20, rounds: int = 5) -> Optional[float]:
+    """Device time per call of ``fn`` (ms, median of ``rounds``), with the host's time left out.
+
+    A launch config changes the kernels, not the Python that issues them; where issuing a call takes
+    longer than running it (small shapes: ~0.3-1.5 ms of host time per generated call), a timer
+    that waits on the host ranks every candidate by that host time plus noise. Here the stream is
+    held by a sleep kernel long enough for the host to queue ``reps`` calls behind it, so the events
+    around them time the kernels back to back. The hold is checked: if the host was still queueing
+    when it ended (``fn`` synchronises, or the estimate was short) it is doubled, twice at most, and
+    then None says the device time could not be isolated. Calls follow each other without an L2
+    flush (like a model's layers): rankings, not cold-cache figures.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    hold_ms = 1.5 * host_ms + 1.0
+    times = []
+    attempts = 0
+    while len(times) < rounds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(hold_ms * _sleep_cycles_per_ms()))
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        held = not start.query()                     # the hold outlasted the host's queueing
+        end.synchronize()
+        if not held:
+            attempts += 1
+            if attempts > 2:
+                return None
+            hold_ms *= 2
+            continue
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def _device_timer(fn: Callable, candidate: Candidate) -> float:
+    """The tuner's GPU timer: :func:`device_time_ms`, or do_bench's median where the device time
+    cannot be isolated from the host's (a call that synchronises)."""
+    ms = device_time_ms(fn)
+    if ms is not None:
+        return ms
+    candidate.host_included = True
+    return _bench_timer(fn, candidate)
+
+
 def default_timer(on_gpu: bool) -> Callable:
-    return _bench_timer if on_gpu else _wall_timer
+    return _device_timer if on_gpu else _wall_timer
 
 
 @contextlib.contextmanager
@@ -254,8 +324,9 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
     Args:
         spec: the Spec (its generated module is ``generated.<name>`` unless ``module`` is given).
         shapes: ShapeCase objects, or ``(B, T, H, HV, K, V)`` tuples (bf16 on a GPU, fp32 otherwise).
-        timer: ``timer(fn, candidate) -> ms``; default ``triton.testing.do_bench`` median on CUDA,
-            wall-clock under the interpreter.
+        timer: ``timer(fn, candidate) -> ms``; default the device time per call on CUDA
+            (:func:`device_time_ms`: the host's issue time left out, so small shapes rank by their
+            kernels), wall-clock under the interpreter.
         stages: stage names and group words (default ``fwd``): forward wy, state, output, state_output
             (the state pass of a forward nothing differentiates, which writes the output); backward
             wy_prep_bwd, intra_bwd, state_bwd, chunk_bwd, wy_bwd, wy_decay_bwd; ``fwd``, ``bwd``,
@@ -334,8 +405,11 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
         result = _tune_stage(spec, case, BT, stage, configs, current, run_fn, inputs, reference,
                              timer, tol, device, step, min_gain, check=check)
         report.results.append(result)
+        # the cache holds tiles; a path switch the candidates share (state_output's TMA) stays the
+        # default's at lookup, so a device without it reads the same entry
+        tiles_only = {k: v for k, v in result.winner.config.items() if k in _space.config_keys(stage)}
         entries[result.key] = _cache.make_entry(
-            result.winner.config, spec_hash=spec.hash, ms=round(result.winner.ms, 6),
+            tiles_only, spec_hash=spec.hash, ms=round(result.winner.ms, 6),
             default_ms=round(result.default.ms, 6), candidates=len(result.candidates),
             rejected=len(result.rejected), shape=case.label)
         return result
@@ -661,6 +735,10 @@ def format_report(report: TuneReport) -> str:
                      f"{len(r.rejected):>8}")
         for c in r.rejected:
             lines.append(f"{'':<30} rejected {c.label}: {c.rejected}")
+        host_timed = [c for c in r.candidates if c.host_included]
+        if host_timed:
+            lines.append(f"{'':<30} {len(host_timed)} of {len(r.candidates)} timed with the host's time included "
+                         "(their calls synchronise: device_time_ms could not isolate the kernels)")
     for what, winners, all_totals, backward in (("chunk size", report.chunk_winners, report.chunk_totals, False),
                                                 ("fwd+bwd chunk size", report.train_chunk_winners,
                                                  report.train_totals, True)):

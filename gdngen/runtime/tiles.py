@@ -68,8 +68,14 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         # 4.147 / 4.503 / 5.973, (8,2048,16,16) 0.285 / 0.296 / 0.385, (1,32768,2,8) 0.287 / 0.299 /
         # 0.387; three stages at (1,32768,32,32): 186 registers and one program per SM (offline SASS),
         # 1.06 ms against 0.90 with two in a stand-in run (benchmarks/fused_probe.py, stop 27).
+        # TMA (16-bit inputs; gdngen.runtime.tma drops it where descriptors cannot address the tiles):
+        # the loop's tiles through tensor descriptors, 166 -> 144 registers and a seventh of the
+        # global-load instructions (offline SASS); (1,32768,32,32) 1.097 -> 1.009 ms, bitwise the
+        # same output (stop 28, fused_probe.py). The unfused state pass (3 stages) lost with it:
+        # forward + backward 5.53 -> 5.86 ms, so "state" keeps pointer loads.
         config = default_tiles("state", K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
-        return dict(config, BV=min(32, config["BV"]), num_stages=2)
+        return dict(config, BV=min(32, config["BV"]), num_stages=2,
+                    TMA=dtype in (torch.bfloat16, torch.float16))
     if stage == "state":
         # the whole K extent of the state stays in registers: narrow V tiles for large K
         bv = min(pv, 64 if pk <= 128 else 16)
