@@ -16,6 +16,9 @@ stand-in [BT, BT] tile (rows ``fused+aqk-standin``; wrong outputs, times only).
 * ``--bwd-tiles "wy:TMA=1 chunk:BK=128,num_warps=8"``: forward + backward with one backward stage's
   launch parameters overridden (``override_backward``); each row also gives ``max_abs_grad_vs_default``,
   the largest difference of any gradient against the default tiles' (0: bitwise the same).
+* ``--keep-values``: forward + backward with the forward's V_new kept for the backward (the default since
+  stop 29) and recomputed by wy_prep (``override(spec, "keep_values", value=False)``): ms, peak MiB, and
+  the largest gradient difference between the two.
 * ``--split``: ``dtypes.intermediates: split`` built into a temp folder; forward and forward+backward,
   and the relative error of o against float64 at T=4096 beside the base's.
 """
@@ -82,6 +85,7 @@ def main():
     parser.add_argument("--wy-tiles", default="", help='wy tiles for the fused forward, e.g. "64,4,2 128,2,1" (BK,warps,stages)')
     parser.add_argument("--train-state-tiles", default="", help='state tiles for forward+backward, e.g. "32,4,2 32,4,2,tma"')
     parser.add_argument("--bwd-tiles", default="", help='backward overrides, e.g. "wy:TMA=1 wy:BK=128,num_warps=8,TMA=1"')
+    parser.add_argument("--keep-values", action="store_true")
     parser.add_argument("--split", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -175,6 +179,23 @@ def main():
                         row["max_abs_grad_vs_default"] = max((a.float() - b.float()).abs().max().item()
                                                              for a, b in zip(grads, grads_default))
                 record(row)
+        if args.keep_values:
+            xg = inputs(B, T, H, HV, grad=True)
+            do = torch.randn_like(xg["v"])
+            leaves = [xg[n] for n in ("q", "k", "v", "g", "beta")]
+            grads = {}
+            for keep in (True, False):
+                with override("gated_delta_rule", "keep_values", value=keep):
+                    grads[keep] = torch.autograd.grad(op(base)(**xg)[0], leaves, do)
+                    ms = time_train(base, xg)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    torch.autograd.grad(op(base)(**xg)[0], leaves, do)
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() / 2 ** 20
+                record(dict(case, variant=f"fwd+bwd, keep_values={keep}", ms=ms, peak_mib=round(peak, 1)))
+            record(dict(case, variant="keep_values: max abs gradient difference",
+                        max_abs=max((a.float() - b.float()).abs().max().item() for a, b in zip(grads[True], grads[False]))))
         for tile in args.wy_tiles.split():
             bk, w, st = (int(n) for n in tile.split(","))
             with override("gated_delta_rule", "wy", BK=bk, num_warps=w, num_stages=st):

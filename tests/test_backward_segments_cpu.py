@@ -168,7 +168,8 @@ class _Allocations(TorchDispatchMode):
 @pytest.mark.parametrize("options,H", [({}, 2), (dict(use_qk_l2norm_in_kernel=True), 1)])
 def test_segments_allocate_no_full_length_intermediate(options, H):
     """In 4 segments the backward allocates nothing of a quarter of q's size or more but the gradient
-    buffers (dq, dk, dv); in one call the chunk-end state gradients, T, W, V_new ... are all full length."""
+    buffers (dq, dk, dv); in one call the chunk-end state gradients, W, dV_new ... are all full length
+    (T and V_new are the forward's, kept: the backward allocates neither)."""
     spec = load_spec("specs/gated_delta_rule.yaml")
     module = importlib.import_module("generated.gated_delta_rule")
     inputs = make_inputs(spec, B=1, T=256, H=H, HV=2, K=16, V=16)
@@ -182,7 +183,7 @@ def test_segments_allocate_no_full_length_intermediate(options, H):
             torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
         found[segments] = sorted(nbytes for _, nbytes in seen.new if nbytes > inputs["v"].nbytes // 4)
     assert found[4] == sorted([inputs["q"].nbytes, inputs["k"].nbytes, inputs["v"].nbytes]), found
-    assert len(found[1]) >= 7, found
+    assert len(found[1]) >= 6, found
 
 
 def test_first_call_compile_gets_the_segmented_closure():

@@ -26,7 +26,7 @@ def test_chunk_op_is_registered(name):
     packet = getattr(torch.ops.gdngen, spec.chunk_function)
     schema = str(packet.default._schema)
     assert schema.startswith(f"gdngen::{spec.chunk_function}(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta")
-    assert schema.endswith("-> (Tensor, Tensor, Tensor, Tensor)")   # o, final state, kept states and T
+    assert schema.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")   # o, final state, kept states, T, V_new
     assert hasattr(torch.ops.gdngen, f"{spec.chunk_function}_backward")
 
 
@@ -81,8 +81,8 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
     # replay creates inside the kernel ("Cannot access storage of TensorWrapper"). The fake kernel
     # is exercised by the torch.compile tests below (AOTAutograd traces this op with fake tensors);
     # mutation and aliasing are checked directly.
-    states = tmat = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
-    args = (*args[:9], states, tmat, *args[9:])
+    states = tmat = values = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
+    args = (*args[:9], states, tmat, values, *args[9:])
     before = [x.clone() if isinstance(x, torch.Tensor) else x for x in (do, dht, *args)]
     grads = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *args)
     for x, y in zip((do, dht, *args), before):
@@ -96,10 +96,11 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_backward_from_kept_states_equals_recompute(varlen, device):
-    """The forward op's third and fourth outputs (its chunk-start states and the chunks' T, kept for
-    the backward) give the same gradients as a backward that recomputes them (its own state pass
-    and wy stage); varlen keeps the states at the shape-only bound chunk_state_rows, past the packed
-    chunk count. T is kept on the T path (many value heads here: store_wu is off)."""
+    """The forward op's third to fifth outputs (its chunk-start states, the chunks' T and V_new, kept
+    for the backward) give the same gradients as a backward that recomputes them (its own state
+    pass, wy stage and wy_prep's V_new); varlen keeps the states at the shape-only bound
+    chunk_state_rows, past the packed chunk count. T is kept on the T path (many value heads here:
+    store_wu is off)."""
     from gdngen.runtime import chunk_state_rows
     from gdngen.runtime.tiles import override
     _module("gated_delta_rule")
@@ -107,18 +108,20 @@ def test_backward_from_kept_states_equals_recompute(varlen, device):
     args = _op_args("gated_delta_rule", device, grad=False, **kwargs)
     inputs, options = args[:9], args[9:]
     with override("gated_delta_rule", "store_wu", value=False):
-        o, ht, states, tmat = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+        o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
     B, T = args[0].shape[:2]
     N = B if not varlen else 3
     assert states.shape == (chunk_state_rows(B, T, 16, N if varlen else None), 2, 16, 16)
     assert tmat.shape == (B, T, 2, 16) and tmat.dtype == args[1].dtype
+    assert values.shape == args[2].shape and values.dtype == args[2].dtype
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     needs = [True, True, True, True, True, True, False, False, False]
     backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
-    kept = backward(do, dht, needs, *inputs, states, tmat, *options)
-    states_only = backward(do, dht, needs, *inputs, states, tmat[:0], *options)
-    recomputed = backward(do, dht, needs, *inputs, states[:0], tmat[:0], *options)
-    for other in (states_only, recomputed):
+    kept = backward(do, dht, needs, *inputs, states, tmat, values, *options)
+    no_values = backward(do, dht, needs, *inputs, states, tmat, values[:0], *options)
+    states_only = backward(do, dht, needs, *inputs, states, tmat[:0], values[:0], *options)
+    recomputed = backward(do, dht, needs, *inputs, states[:0], tmat[:0], values[:0], *options)
+    for other in (no_values, states_only, recomputed):
         for a, b, need in zip(kept, other, needs):
             assert a.shape == b.shape and (a.numel() > 0) == need and torch.isfinite(a).all()
             if need:
@@ -133,7 +136,7 @@ def test_kept_tmat_is_used_not_recomputed(device):
     args = _op_args("gated_delta_rule", device, grad=False, B=1, T=37)
     inputs, options = args[:9], args[9:]
     with override("gated_delta_rule", "store_wu", value=False):
-        o, ht, states, tmat = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+        o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     needs = [True] * 6 + [False] * 3
     backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
@@ -146,14 +149,49 @@ def test_kept_tmat_is_used_not_recomputed(device):
         return original(*a, **kw)
     wy.run = record
     try:
-        base = backward(do, dht, needs, *inputs, states, tmat, *options)
+        base = backward(do, dht, needs, *inputs, states, tmat, values, *options)
         assert not launched
-        backward(do, dht, needs, *inputs, states, tmat[:0], *options)
+        backward(do, dht, needs, *inputs, states, tmat[:0], values, *options)
         assert launched
     finally:
         wy.run = original
-    changed = backward(do, dht, needs, *inputs, states, tmat * 1.01, *options)
+    changed = backward(do, dht, needs, *inputs, states, tmat * 1.01, values, *options)
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
+
+
+def test_kept_values_are_used_not_recomputed(device):
+    """With the forward's V_new passed, the backward's wy_prep forms W alone (COMPUTE_VALUES off) and
+    the gradients read the kept V_new: a V_new that differs from the forward's changes them."""
+    from gdngen.runtime.tiles import override
+    module = _module("gated_delta_rule")
+    args = _op_args("gated_delta_rule", device, grad=False, B=1, T=37)
+    inputs, options = args[:9], args[9:]
+    with override("gated_delta_rule", "store_wu", value=False):
+        o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    needs = [True] * 6 + [False] * 3
+    backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
+    computed = []
+    prep = module._wy_bwd_prep_kernel
+    original = prep.run
+
+    def record(*a, **kw):
+        computed.append(kw["COMPUTE_VALUES"])
+        return original(*a, **kw)
+    prep.run = record
+    try:
+        base = backward(do, dht, needs, *inputs, states, tmat, values, *options)
+        backward(do, dht, needs, *inputs, states, tmat, values[:0], *options)
+    finally:
+        prep.run = original
+    assert computed == [False, True]
+    changed = backward(do, dht, needs, *inputs, states, tmat, values * 1.01, *options)
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
+    # the switch: a forward told not to keep V_new returns an empty fifth output, fake and real alike
+    with override("gated_delta_rule", "store_wu", value=False), override("gated_delta_rule", "keep_values", value=False):
+        dropped = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+        fake = module._chunk_gated_delta_rule_fake(*args)
+    assert dropped[4].numel() == 0 and fake[4].numel() == 0 and torch.equal(dropped[0], o)
 
 
 def test_backward_materialises_no_state_sized_zeros(device):

@@ -78,13 +78,14 @@ def segment_bounds(chunks: int, segments: int) -> list[int]:
 
 def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v, g, beta, *, initial_state,
                              states, chunk_size: int, cu_seqlens=None, A_log=None, dt_bias=None, kept_tmat=None,
-                             norm=None, **options):
+                             kept_values=None, norm=None, **options):
     """``backward(do, dht, q, k, v, g, beta, ...)`` (a generated ``<op>_backward``) over the whole
     call, in ``segments`` time segments when they apply (see the module text), else in one call.
 
     Segments need B == 1, no ``cu_seqlens``, the forward's kept ``states`` (``[NC, HV, K, V]``)
     and row-contiguous token-major inputs; anything else runs as one call. ``kept_tmat`` (the
-    forward's chunks' T, ``[B, T, HV, BT]``, or None) is cut by tokens like the inputs. ``norm``
+    forward's chunks' T, ``[B, T, HV, BT]``, or None) and ``kept_values`` (its V_new, ``[B, T, HV, V]``,
+    or None) are cut by tokens like the inputs. ``norm``
     (normalised linear attention: ``(z, zc)``, or None; passed on only when given): z is cut by
     tokens, ``zc`` (one row per chunk) by chunks, like the states. Returns the backward's
     tuple (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); in segments dq .. dbeta are full-size
@@ -98,13 +99,13 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     if norm is not None:
         options["norm"] = norm
     one_call = dict(initial_state=initial_state, states=states, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-                    A_log=A_log, dt_bias=dt_bias, kept_tmat=kept_tmat, **options)
+                    A_log=A_log, dt_bias=dt_bias, kept_tmat=kept_tmat, kept_values=kept_values, **options)
     if (segments <= 1 or B != 1 or cu_seqlens is not None or states is None or states.shape[0] < chunks
             or boundary_hooks() is not None):     # hooks at the state pass see the whole call once
         return backward(do, dht, q, k, v, g, beta, **one_call)
     if do.stride(-1) != 1 or not do.is_contiguous():
         do = do.contiguous()            # a stride-0 o.sum() gradient: the backward would copy it anyway
-    tokens = (do, q, k, v, g, beta, kept_tmat) + (norm[:1] if norm is not None else ())
+    tokens = (do, q, k, v, g, beta, kept_tmat, kept_values) + (norm[:1] if norm is not None else ())
     if not all(x is None or x.is_contiguous() for x in tokens):
         return backward(do, dht, q, k, v, g, beta, **one_call)
 
@@ -130,7 +131,7 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         if norm is not None:
             options["norm"] = (cut(norm[0]), norm[1][c0:c1])
         result = backward(cut(do), carry, cut(q), cut(k), cut(v), cut(g), cut(beta), initial_state=start,
-                          states=states[c0:c1], kept_tmat=cut(kept_tmat), chunk_size=chunk_size, cu_seqlens=None, A_log=A_log,
+                          states=states[c0:c1], kept_tmat=cut(kept_tmat), kept_values=cut(kept_values), chunk_size=chunk_size, cu_seqlens=None, A_log=A_log,
                           dt_bias=dt_bias, out={name: cut(x) for name, x in out.items()}, tile_T=T, **options)
         carry = result[5]
         sums[s] = (result[6], result[7])

@@ -216,6 +216,20 @@ def fused_output(spec_name: str, *, B: int, T: int, HV: int, scores_loaded: bool
     return scores_loaded or B * T * HV <= FUSED_OUTPUT_MAX_TOKEN_HEADS
 
 
+def keep_values(spec_name: str) -> bool:
+    """Whether a delta-rule forward that keeps states for a backward keeps its V_new too (the
+    values the state pass wrote, in v's dtype), so the backward's wy_prep forms W alone instead of
+    re-reading the chunk-start states and v for V_new = U - W h; ``override(spec, "keep_values",
+    value=False)`` makes the backward recompute it. Memory: one more tensor of v's size kept from the
+    forward to the backward (256 MiB at (1, 32768, 32, 32), V = 128, bf16), and no V_new per backward
+    time segment. Bytes wy_prep stops moving at that shape: h 512 MiB, v and V_new 256 MiB each
+    (stop 29; its H200 time is not measured yet: benchmarks/NOTES.md)."""
+    forced = _OVERRIDES.get((spec_name, "keep_values"))
+    if forced is not None:
+        return bool(forced["value"])
+    return True
+
+
 def window_log_tolerance(dtype: torch.dtype) -> float:
     """The log of the largest share of an older state a piece's walk back may drop: 400x below the
     unit roundoff of the inputs' dtype (bf16 ~2.0e-5, fp16 ~2.4e-6, fp32 ~3.0e-10)."""
