@@ -293,7 +293,7 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
         # forward stages by name; backward ones as "chunk", "intra", ... or, where a forward stage has the
         # same name, with a suffix: "wy_bwd", "state_bwd"
         for stage, config in overrides.items():
-            if stage in ("output", "state", "state_output", "wy", "fused_output", "state_pieces", "store_wu"):
+            if stage in ("output", "state", "state_output", "wy", "fused_output", "state_pieces", "store_wu", "keep_values"):
                 for name in specs:
                     stack.enter_context(tiles.override(name, stage, **config))
             else:

@@ -2,6 +2,7 @@
 
 CPU tier: the forward runs under the Triton interpreter, so shapes stay tiny.
 """
+import contextlib
 import importlib
 
 import pytest
@@ -128,34 +129,48 @@ def test_backward_from_kept_states_equals_recompute(varlen, device):
                 assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max()), (a - b).abs().max()
 
 
-def test_kept_tmat_is_used_not_recomputed(device):
-    """With the forward's T passed, the backward launches no wy kernel, and a T that differs from
-    the forward's changes the gradients (so it is really read)."""
+def _kept_call(device):
+    """One forward op call on the T path and the backward op's arguments around what it kept."""
     from gdngen.runtime.tiles import override
-    module = _module("gated_delta_rule")
     args = _op_args("gated_delta_rule", device, grad=False, B=1, T=37)
-    inputs, options = args[:9], args[9:]
     with override("gated_delta_rule", "store_wu", value=False):
         o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     needs = [True] * 6 + [False] * 3
-    backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
-    launched = []
-    wy = module._WY_KERNELS[16]
-    original = wy.run
+    backward_op = torch.ops.gdngen.chunk_gated_delta_rule_backward
+
+    def backward(states, tmat, values):
+        return backward_op(do, dht, needs, *args[:9], states, tmat, values, *args[9:])
+    return args, o, (states, tmat, values), backward
+
+
+@contextlib.contextmanager
+def _launches(kernel, seen):
+    """Record each launch of ``kernel`` (an interpreter-path JITFunction) into ``seen``: its keywords."""
+    original = kernel.run
 
     def record(*a, **kw):
-        launched.append(1)
+        seen.append(kw)
         return original(*a, **kw)
-    wy.run = record
+    kernel.run = record
     try:
-        base = backward(do, dht, needs, *inputs, states, tmat, values, *options)
-        assert not launched
-        backward(do, dht, needs, *inputs, states, tmat[:0], values, *options)
-        assert launched
+        yield
     finally:
-        wy.run = original
-    changed = backward(do, dht, needs, *inputs, states, tmat * 1.01, values, *options)
+        kernel.run = original
+
+
+def test_kept_tmat_is_used_not_recomputed(device):
+    """With the forward's T passed, the backward launches no wy kernel, and a T that differs from
+    the forward's changes the gradients (so it is really read)."""
+    module = _module("gated_delta_rule")
+    _, _, (states, tmat, values), backward = _kept_call(device)
+    launched = []
+    with _launches(module._WY_KERNELS[16], launched):
+        base = backward(states, tmat, values)
+        assert not launched
+        backward(states, tmat[:0], values)
+        assert launched
+    changed = backward(states, tmat * 1.01, values)
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
 
 
@@ -164,28 +179,13 @@ def test_kept_values_are_used_not_recomputed(device):
     the gradients read the kept V_new: a V_new that differs from the forward's changes them."""
     from gdngen.runtime.tiles import override
     module = _module("gated_delta_rule")
-    args = _op_args("gated_delta_rule", device, grad=False, B=1, T=37)
-    inputs, options = args[:9], args[9:]
-    with override("gated_delta_rule", "store_wu", value=False):
-        o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    needs = [True] * 6 + [False] * 3
-    backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
-    computed = []
-    prep = module._wy_bwd_prep_kernel
-    original = prep.run
-
-    def record(*a, **kw):
-        computed.append(kw["COMPUTE_VALUES"])
-        return original(*a, **kw)
-    prep.run = record
-    try:
-        base = backward(do, dht, needs, *inputs, states, tmat, values, *options)
-        backward(do, dht, needs, *inputs, states, tmat, values[:0], *options)
-    finally:
-        prep.run = original
-    assert computed == [False, True]
-    changed = backward(do, dht, needs, *inputs, states, tmat, values * 1.01, *options)
+    args, o, (states, tmat, values), backward = _kept_call(device)
+    launches = []
+    with _launches(module._wy_bwd_prep_kernel, launches):
+        base = backward(states, tmat, values)
+        backward(states, tmat, values[:0])
+    assert [kw["COMPUTE_VALUES"] for kw in launches] == [False, True]
+    changed = backward(states, tmat, values * 1.01)
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
     # the switch: a forward told not to keep V_new returns an empty fifth output, fake and real alike
     with override("gated_delta_rule", "store_wu", value=False), override("gated_delta_rule", "keep_values", value=False):
