@@ -223,7 +223,9 @@ def keep_values(spec_name: str) -> bool:
     value=False)`` makes the backward recompute it. Memory: one more tensor of v's size kept from the
     forward to the backward (256 MiB at (1, 32768, 32, 32), V = 128, bf16), and no V_new per backward
     time segment. Bytes wy_prep stops moving at that shape: h 512 MiB, v and V_new 256 MiB each
-    (stop 29; its H200 time is not measured yet: benchmarks/NOTES.md)."""
+    (stop 29; its H200 time is not measured yet: benchmarks/NOTES.md). The gradients do not change:
+    the state pass forms V_new from the state rounded as the kept states are, so the recompute gave
+    the same V_new (bitwise, on the bf16-faithful interpreter)."""
     forced = _OVERRIDES.get((spec_name, "keep_values"))
     if forced is not None:
         return bool(forced["value"])
