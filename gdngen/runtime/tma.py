@@ -33,24 +33,40 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
+_CAPABLE: dict = {}     # CUDA device index -> Hopper or newer, read once per device
+
+
+def _device_allows(t: torch.Tensor) -> bool:
+    if t.is_cuda:
+        index = t.get_device()
+        capable = _CAPABLE.get(index)
+        if capable is None:
+            capable = _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        return capable
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def tma_usable(*tensors, sizes=()) -> bool:
     """Whether descriptors over ``tensors`` (row-contiguous ``[..., rows, row elements]`` tiles whose
     rows start ``sizes`` elements apart inside a token: K, V, BT) satisfy TMA's rules: 16-byte
     aligned bases and row strides. On CUDA, Hopper or newer; under TRITON_INTERPRET=1 always (the
-    interpreter emulates descriptors, so the CPU tier runs the same kernel source)."""
-    present = [t for t in tensors if t is not None]
-    if not present:
-        return False
-    device = present[0].device
-    if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9:
+    interpreter emulates descriptors, so the CPU tier runs the same kernel source).
+
+    Every no-grad forward asks (the fused pass's tiles), so it is kept to a few microseconds of host
+    time: the capability is read once per device, the row strides once per element size."""
+    first = None
+    widths = set()
+    for t in tensors:
+        if t is None:
+            continue
+        if first is None:
+            first = t
+        if t.data_ptr() % 16:
             return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+        widths.add(t.element_size())
+    if first is None or not _device_allows(first):
         return False
-    for t in present:
-        if t.data_ptr() % 16 or any(n * t.element_size() % 16 for n in sizes):
-            return False
-    return True
+    return not any(n * width % 16 for width in widths for n in sizes)
 
 
 def tma_config(config: dict, *tensors, sizes=()) -> dict:
