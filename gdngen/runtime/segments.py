@@ -131,8 +131,9 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         if norm is not None:
             options["norm"] = (cut(norm[0]), norm[1][c0:c1])
         result = backward(cut(do), carry, cut(q), cut(k), cut(v), cut(g), cut(beta), initial_state=start,
-                          states=states[c0:c1], kept_tmat=cut(kept_tmat), kept_values=cut(kept_values), chunk_size=chunk_size, cu_seqlens=None, A_log=A_log,
-                          dt_bias=dt_bias, out={name: cut(x) for name, x in out.items()}, tile_T=T, **options)
+                          states=states[c0:c1], kept_tmat=cut(kept_tmat), kept_values=cut(kept_values),
+                          chunk_size=chunk_size, cu_seqlens=None, A_log=A_log, dt_bias=dt_bias,
+                          out={name: cut(x) for name, x in out.items()}, tile_T=T, **options)
         carry = result[5]
         sums[s] = (result[6], result[7])
     dh0 = carry if initial_state is not None else None
