@@ -214,6 +214,72 @@ def test_backward_multi_tile_layouts_with_partial_tiles():
     _check(got, want, FP32_TOL)
 
 
+PERSISTENT_CASES = {
+    "gated_delta_rule-varlen-fused": ("gated_delta_rule", dict(lengths=[7, 0, 1, 33], H=1, HV=2, K=40, V=36,
+                                                               chunk_size=16, options=ALL_FUSED)),
+    "gated_delta_rule-dense-gva": ("gated_delta_rule", dict(B=2, T=50, H=1, HV=2, K=40, V=20, chunk_size=16)),
+    "delta_rule-dense": ("delta_rule", dict(B=1, T=35, H=2, HV=2, K=40, V=16, chunk_size=32)),
+    "simple_gla-varlen": ("simple_gla", dict(lengths=[7, 0, 1, 33], H=1, HV=2, K=40, V=16, chunk_size=16)),
+    "linear_attn-normalize-varlen": ("linear_attn", dict(lengths=[9, 0, 1, 22], H=1, HV=2, K=40, V=16, h0=False,
+                                                         positive_qk=True, options=dict(normalize=True),
+                                                         chunk_size=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
+def test_backward_persistent_grid_matches_one_program_per_tile(case):
+    """PERSISTENT (a tile option of the chunk and wy stages): a few programs loop over all the tiles
+    (gdngen.runtime.launch.tile_grid; on CPU, PERSISTENT programs). Three key tiles (BK=16 at K=40,
+    the last partial) so every index decoded from the flat tile number matters; varlen, where each
+    tile finds its own sequence; the gradients bitwise those of one program per tile, and within
+    the float32 tolerance of the float64 reference."""
+    from gdngen.runtime import backward_tiles as bt
+    from gdngen.runtime.launch import tile_grid
+    name, kwargs = PERSISTENT_CASES[case]
+    module = importlib.import_module(f"generated.{name}")
+    with bt.override_backward("chunk", BK=16, BV=16):
+        per_tile, want = _grads(name, **kwargs)
+    grids = []
+
+    def recording(config, tiles, device):
+        grid, keywords = tile_grid(config, tiles, device)
+        grids.append((tiles, grid))
+        return grid, keywords
+
+    with bt.override_backward("chunk", BK=16, BV=16, PERSISTENT=3), bt.override_backward("wy", PERSISTENT=2), \
+            mock.patch.object(module, "tile_grid", side_effect=recording):
+        got, _ = _grads(name, **kwargs)
+    delta = load_spec(f"specs/{name}.yaml").transition.delta
+    assert [grid for _, grid in grids] == ([(3,), (2,)] if delta else [(3,)]), grids
+    assert all(len(tiles) == (3 if i == 0 else 2) and tiles[0] * tiles[1] > 3 for i, (tiles, _) in enumerate(grids))
+    for n in got:
+        assert torch.equal(got[n], per_tile[n]), f"{n}: the persistent grid changed the gradient"
+    _check(got, want, FP32_TOL)
+
+
+def test_backward_persistent_grid_is_checked():
+    from gdngen.runtime.backward_tiles import backward_tiles, override_backward
+    from gdngen.runtime.launch import tile_grid
+    shape = dict(K=40, V=16, BT=16, N=1, HV=2, dtype=torch.float32)
+    with override_backward("state", PERSISTENT=1), pytest.raises(ValueError, match="PERSISTENT.*state"):
+        backward_tiles("state", **shape)
+    with override_backward("chunk", PERSISTENT=1), pytest.raises(ValueError, match="PERSISTENT.*per-channel"):
+        backward_tiles("chunk", **shape, per_channel=True)
+    for bad in (True, -1, 1.5):
+        with override_backward("wy", PERSISTENT=bad), pytest.raises(ValueError, match="PERSISTENT"):
+            backward_tiles("wy", **shape)
+    with override_backward("wy", PERSISTENT=2):
+        assert backward_tiles("wy", **shape)["PERSISTENT"] == 2
+    cpu = torch.device("cpu")
+    assert tile_grid({"BK": 64}, (2, 3, 4), cpu) == ((2, 3, 4), {"BK": 64})
+    assert tile_grid({"BK": 64, "PERSISTENT": 0}, (2, 3, 4), cpu) == ((2, 3, 4), {"BK": 64})
+    assert tile_grid({"BK": 64, "PERSISTENT": 5}, (2, 3, 4), cpu) == (
+        (5,), {"BK": 64, "PERSISTENT": True, "N_TILES": 24, "TILES_0": 2, "TILES_1": 3})
+    assert tile_grid({"PERSISTENT": 50}, (6, 4), cpu) == ((24,), {"PERSISTENT": True, "N_TILES": 24, "TILES_0": 6})
+    with pytest.raises(ValueError, match="PERSISTENT"):
+        tile_grid({"PERSISTENT": -2}, (6, 4), cpu)
+
+
 @pytest.mark.parametrize("BT", [16, 32, 64])
 def test_backward_default_tiles_avoid_the_hopper_miscompile(BT):
     """No 32-wide tile beside a 64-wide chunk (wrong dk/dg at K=20 under Triton 3.6 on the H200,

@@ -80,3 +80,30 @@ def test_backward_bitwise_repeat_gpu():
         runs.append([x.grad for x in leaves.values()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("config", [
+    dict(chunk=dict(BK=64, BV=128, PERSISTENT=1), wy=dict(PERSISTENT=1)),
+    dict(chunk=dict(BK=32, BV=128, num_warps=4, PERSISTENT=1), wy=dict(num_warps=8, PERSISTENT=2)),
+])
+def test_backward_persistent_grid_matches_one_program_per_tile_gpu(config):
+    """The chunk and wy stages' persistent grid (PERSISTENT programs per SM looping over the tiles, the
+    pipeliner loading a tile ahead) against one program per tile at the same tiles: bitwise, bf16,
+    several chunks per program, a varlen batch included (every tile finds its own sequence)."""
+    from gdngen.runtime.backward_tiles import override_backward
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    module = importlib.import_module("generated.gated_delta_rule")
+    for shape in (dict(B=2, T=4096, H=4, HV=8, K=128, V=128), dict(lengths=[1000, 1, 0, 2989, 64], H=2, HV=4, K=128, V=128)):
+        inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=7, **shape)
+        runs = []
+        for persistent in (False, True):
+            tiles = {stage: {k: v for k, v in c.items() if persistent or k != "PERSISTENT"} for stage, c in config.items()}
+            leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+                      if isinstance(x, torch.Tensor) and x.is_floating_point()}
+            with override_backward("chunk", **tiles["chunk"]), override_backward("wy", **tiles["wy"]):
+                o, _ = module.chunk_gated_delta_rule(**{**inputs, **leaves})
+                o.float().square().sum().backward()
+            runs.append({n: x.grad for n, x in leaves.items()})
+        for n in runs[0]:
+            assert torch.isfinite(runs[1][n]).all(), n
+            assert torch.equal(runs[0][n], runs[1][n]), f"{shape} {n}: the persistent grid changed the gradient"

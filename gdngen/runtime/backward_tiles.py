@@ -115,8 +115,18 @@ def _launches_on_gpu() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
 
 
-def _problem(stage: str, config: dict, K: int) -> Optional[str]:
+# the stages whose kernels take a persistent grid (stages/_persistent.j2; scalar or no decay)
+PERSISTENT_STAGES = ("chunk", "wy")
+
+
+def _problem(stage: str, config: dict, K: int, per_channel: bool = False) -> Optional[str]:
     """What makes ``config`` unlaunchable or unsafe for ``stage`` (None when nothing does)."""
+    if config.get("PERSISTENT"):
+        if stage not in PERSISTENT_STAGES or per_channel:
+            return (f"PERSISTENT: only the {' and '.join(PERSISTENT_STAGES)} stages of a scalar- or no-decay spec "
+                    f"take a persistent grid, not the {stage} stage{' of a per-channel decay' if per_channel else ''}")
+        if not isinstance(config["PERSISTENT"], int) or isinstance(config["PERSISTENT"], bool) or config["PERSISTENT"] < 0:
+            return f"PERSISTENT: expected a count of programs per SM (an int >= 0), got {config['PERSISTENT']!r}"
     for key in ("BK", "BV"):
         tile = config.get(key)
         if tile is not None and (tile < 16 or tile & (tile - 1)):
@@ -151,7 +161,7 @@ def backward_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtyp
     if forced is not None:
         config = default_backward_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel)
         config.update(forced)
-        problem = _problem(stage, config, K)
+        problem = _problem(stage, config, K, per_channel)
         if problem:
             raise ValueError(problem)
         return config
@@ -175,7 +185,7 @@ def _resolve(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: tor
                                spec_hash=spec_hash, device=device)
         if chosen:
             tuned = {**config, **chosen}
-            problem = _problem(stage, tuned, K)
+            problem = _problem(stage, tuned, K, per_channel)
             if problem:           # the cache's own checks should have caught it: never crash a launch
                 _cache._warn_once(("backward", spec_name, stage, tuple(sorted(chosen.items()))),
                                   f"gdngen: tuned {stage}_bwd config {chosen} for {spec_name} is not safe "

@@ -62,6 +62,40 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_SM_COUNTS: dict = {}
+
+
+def tile_grid(config: dict, tiles: tuple, device: torch.device) -> tuple:
+    """The grid and launch keywords of a chunk-parallel kernel (stages/_persistent.j2) over ``tiles``,
+    its one-program-per-tile grid (dimension 0 fastest).
+
+    ``config["PERSISTENT"]`` (a tile option; 0 or absent: one program per tile) asks for a
+    persistent grid instead: that many programs per SM (on CPU: that many programs), each looping
+    over tiles p, p + P, p + 2P, ... of the flattened grid, so that Triton's pipeliner issues a
+    tile's loads while the tile before computes. The kernel then gets N_TILES and the grid's
+    leading sizes (TILES_0, ...) to decode its tile indices. Returns ``(grid, keywords)``.
+    """
+    per_sm = config.get("PERSISTENT", 0)
+    if not per_sm:
+        if "PERSISTENT" in config:
+            config = {key: value for key, value in config.items() if key != "PERSISTENT"}
+        return tiles, config
+    if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 0:
+        raise ValueError(f"PERSISTENT: expected a count of programs per SM (an int >= 0), got {per_sm!r}")
+    total = functools.reduce(operator.mul, tiles, 1)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        sms = _SM_COUNTS.get(index)
+        if sms is None:
+            sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    else:
+        sms = 1
+    keywords = dict(config, PERSISTENT=True, N_TILES=total)
+    for i, size in enumerate(tiles[:-1]):
+        keywords[f"TILES_{i}"] = size
+    return (max(1, min(total, per_sm * sms)),), keywords
+
+
 # ---------------------------------------------------------------------------------------------
 # Cached launch path: ``fast(kernel)[grid](*args, **kwargs)``
 #
