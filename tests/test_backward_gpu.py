@@ -83,11 +83,11 @@ def test_backward_bitwise_repeat_gpu():
 
 
 @pytest.mark.parametrize("config", [
-    dict(chunk=dict(BK=64, BV=128, PERSISTENT=1), wy=dict(PERSISTENT=1)),
-    dict(chunk=dict(BK=32, BV=128, num_warps=4, PERSISTENT=1), wy=dict(num_warps=8, PERSISTENT=2)),
+    dict(chunk=dict(BK=64, BV=128, PERSISTENT=1), wy=dict(PERSISTENT=1), wy_prep=dict(PERSISTENT=2)),
+    dict(chunk=dict(BK=32, BV=128, num_warps=4, PERSISTENT=1), wy=dict(num_warps=8, PERSISTENT=2), wy_prep=dict(PERSISTENT=4)),
 ])
 def test_backward_persistent_grid_matches_one_program_per_tile_gpu(config):
-    """The chunk and wy stages' persistent grid (PERSISTENT programs per SM looping over the tiles, the
+    """The wy_prep, chunk and wy stages' persistent grid (PERSISTENT programs per SM looping over the tiles, the
     pipeliner loading a tile ahead) against one program per tile at the same tiles: bitwise, bf16,
     several chunks per program, a varlen batch included (every tile finds its own sequence)."""
     from gdngen.runtime.backward_tiles import override_backward
@@ -100,7 +100,8 @@ def test_backward_persistent_grid_matches_one_program_per_tile_gpu(config):
             tiles = {stage: {k: v for k, v in c.items() if persistent or k != "PERSISTENT"} for stage, c in config.items()}
             leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
                       if isinstance(x, torch.Tensor) and x.is_floating_point()}
-            with override_backward("chunk", **tiles["chunk"]), override_backward("wy", **tiles["wy"]):
+            with override_backward("chunk", **tiles["chunk"]), override_backward("wy", **tiles["wy"]), \
+                    override_backward("wy_prep", **tiles["wy_prep"]):
                 o, _ = module.chunk_gated_delta_rule(**{**inputs, **leaves})
                 o.float().square().sum().backward()
             runs.append({n: x.grad for n, x in leaves.items()})

@@ -115,16 +115,17 @@ def _launches_on_gpu() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
 
 
-# the stages whose kernels take a persistent grid (stages/_persistent.j2; scalar or no decay)
-PERSISTENT_STAGES = ("chunk", "wy")
+# the stages whose kernels take a persistent grid (stages/_persistent.j2): stage -> whether a
+# per-channel decay's kernel does too (its chunk and wy kernels are separate, without one)
+PERSISTENT_STAGES = {"wy_prep": True, "chunk": False, "wy": False}
 
 
 def _problem(stage: str, config: dict, K: int, per_channel: bool = False) -> Optional[str]:
     """What makes ``config`` unlaunchable or unsafe for ``stage`` (None when nothing does)."""
     if config.get("PERSISTENT"):
-        if stage not in PERSISTENT_STAGES or per_channel:
-            return (f"PERSISTENT: only the {' and '.join(PERSISTENT_STAGES)} stages of a scalar- or no-decay spec "
-                    f"take a persistent grid, not the {stage} stage{' of a per-channel decay' if per_channel else ''}")
+        if stage not in PERSISTENT_STAGES or (per_channel and not PERSISTENT_STAGES[stage]):
+            return ("PERSISTENT: the wy_prep stage, and the chunk and wy stages of a scalar- or no-decay spec, take "
+                    f"a persistent grid; not the {stage} stage{' of a per-channel decay' if per_channel else ''}")
         if not isinstance(config["PERSISTENT"], int) or isinstance(config["PERSISTENT"], bool) or config["PERSISTENT"] < 0:
             return f"PERSISTENT: expected a count of programs per SM (an int >= 0), got {config['PERSISTENT']!r}"
     for key in ("BK", "BV"):
