@@ -111,6 +111,39 @@ def test_backward_problem_names_the_rule(stage, config, why):
     assert space.is_valid("wy_prep_bwd", {"BK": 32, "num_warps": 4, "num_stages": 2}, K=128, V=128)
 
 
+def test_backward_persistent_grid_is_a_tuning_option_where_a_kernel_has_one():
+    """PERSISTENT (programs per SM, absent = one program per tile) is an optional key of the wy_prep,
+    chunk and wy backward stages (scalar decay; wy_prep for every spec), tried next to the default."""
+    for stage, per_channel, offered in (("chunk_bwd", False, True), ("chunk_bwd", True, False),
+                                        ("wy_bwd", False, True), ("wy_bwd", True, False),
+                                        ("wy_prep_bwd", True, True), ("intra_bwd", False, False),
+                                        ("state_bwd", False, False)):
+        default = default_backward_tiles(RUNTIME[stage], K=128, V=128, BT=64, N=1, HV=32, dtype=BF16)
+        found = space.candidates(stage, K=128, V=128, BT=64, dtype=BF16, default=default, device=H200,
+                                 per_channel=per_channel)
+        assert (dict(default, PERSISTENT=1) in found) == offered, (stage, per_channel)
+        if offered:      # the default's own twin is the nearest candidate
+            assert space.candidates(stage, K=128, V=128, BT=64, dtype=BF16, default=default, device=H200,
+                                    per_channel=per_channel, limit=2)[1] == dict(default, PERSISTENT=1)
+        assert all(set(c) - set(space.config_keys(stage)) <= {"PERSISTENT"} for c in found)
+    chunk = {"BK": 64, "BV": 128, "num_warps": 4, "num_stages": 2}
+    assert space.is_valid("chunk_bwd", dict(chunk, PERSISTENT=1), K=128, V=128)
+    for bad, why in ((dict(chunk, PERSISTENT=0), "PERSISTENT=0"), (dict(chunk, PERSISTENT=True), "integer"),
+                     (dict(chunk, PERSISTENT=1, TILES=2), "keys")):
+        assert why in space.backward_problem("chunk_bwd", bad, K=128, V=128), bad
+    assert "keys" in space.backward_problem("intra_bwd", dict(chunk, PERSISTENT=1), K=128, V=128)
+    # shared memory: every load of the tile loop buffered per stage
+    assert space.smem_bytes("chunk_bwd", dict(chunk, PERSISTENT=1), BT=64, dtype=BF16) > \
+        space.smem_bytes("chunk_bwd", chunk, BT=64, dtype=BF16)
+
+
+def test_backward_persistent_entry_round_trip(isolated_cache):
+    chunk = {"BK": 64, "BV": 128, "num_warps": 4, "num_stages": 2, "PERSISTENT": 1}
+    cache.write_entries(H200, {key("chunk_bwd"): entry(chunk)})
+    with use_device(H200):
+        assert backward_tiles("chunk", **lookup_args()) == chunk
+
+
 def test_stage_names_groups_and_which_specs_launch_what():
     assert space.expand_stages(["bwd"]) == list(space.BACKWARD_STAGES)
     assert space.expand_stages(["state_bwd", "state", "fwd"]) == ["wy", "state", "output", "state_output", "state_bwd"]

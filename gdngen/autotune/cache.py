@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from gdngen.autotune.device import DeviceInfo, current_device
-from gdngen.autotune.space import STAGES, config_keys, excluded, is_valid
+from gdngen.autotune.space import STAGES, excluded, has_config_keys, is_valid
 
 FORMAT = 1
 SHORT_T = 4096
@@ -126,7 +126,7 @@ def _check_entry(entry) -> bool:
     if not isinstance(entry, dict):
         return False
     config = entry.get("config")
-    if not isinstance(config, dict) or not config or set(config) - set(CONFIG_KEYS) - {"chunk_size", "segments"}:
+    if not isinstance(config, dict) or not config or set(config) - set(CONFIG_KEYS) - {"chunk_size", "segments", "PERSISTENT"}:
         return False
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in config.values()):
         return False
@@ -326,7 +326,7 @@ def _usable(table: _Table, key: str, entry: dict, *, spec_name: str, stage: str,
               and segments >= 1)
     else:
         # no V tile in wy, wy_prep_bwd, wy_decay_bwd; is_valid holds the backward's hard rules
-        ok = (set(config) == set(config_keys(stage)) and is_valid(stage, config, K=K, V=V)
+        ok = (has_config_keys(stage, config) and is_valid(stage, config, K=K, V=V)
               and excluded(stage, config, {"K": K, "V": V, "BT": BT, "dtype": dtype}) is None)
     if not ok:
         _warn_once(("invalid", where, key), f"gdngen: tile cache {table.path} entry {key} holds "

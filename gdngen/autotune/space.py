@@ -102,6 +102,26 @@ def config_keys(stage: str) -> tuple:
     return ("BK", "BV", "num_warps", "num_stages") if has_v_tile(stage) else ("BK", "num_warps", "num_stages")
 
 
+# The persistent grid (stages/_persistent.j2, gdngen.runtime.launch.tile_grid): an optional key of the
+# backward stages whose kernels take one - absent means one program per tile. Stage -> whether the
+# per-channel decay's kernel takes it too (its chunk and wy kernels are separate ones, without it).
+PERSISTENT_STAGES = {"wy_prep_bwd": True, "chunk_bwd": False, "wy_bwd": False}
+PERSISTENT_PER_SM = (1,)       # programs per SM the tuner tries beside one program per tile
+
+
+def optional_keys(stage: str) -> tuple:
+    """Launch options a stage's config may hold beside config_keys (absent: off)."""
+    return ("PERSISTENT",) if stage in PERSISTENT_STAGES else ()
+
+
+def has_config_keys(stage: str, config) -> bool:
+    """Whether ``config`` holds every key of config_keys(stage) and nothing but its optional keys besides."""
+    if not isinstance(config, dict):
+        return False
+    required = set(config_keys(stage))
+    return required <= set(config) <= required | set(optional_keys(stage))
+
+
 def expand_stages(names) -> list[str]:
     """Stage names and group words (fwd, bwd, all) -> stage names in launch order; ValueError on
     anything unknown."""
@@ -243,6 +263,10 @@ def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
         streamed, resident = 2 * BT * (BK + BV), 2 * BT * BT
     else:
         raise ValueError(f"stage: unknown stage {stage!r}")
+    if config.get("PERSISTENT"):
+        # the pipeliner buffers every load of the tile loop, one copy per stage (offline sm_90: chunk_bwd
+        # 156 KB at BK=64, BV=128, two stages; benchmarks/results/2026-12-01-offline-stop30-persistent-backward.md)
+        return config["num_stages"] * (streamed + resident) * e
     return (config["num_stages"] * streamed + resident) * e
 
 
@@ -261,10 +285,13 @@ def fits(stage: str, config: dict, *, BT: int, dtype: torch.dtype, device: Optio
 def backward_problem(stage: str, config, *, K: int, V: int) -> Optional[str]:
     """None when ``config`` is a launchable, safe config of backward ``stage`` (``state_bwd`` ...)
     for this head-dim pair, else what is wrong (the hard rules of backward_tiles.py)."""
-    if not isinstance(config, dict) or set(config) != set(config_keys(stage)):
-        return f"keys {sorted(config) if isinstance(config, dict) else config!r}, expected {list(config_keys(stage))}"
+    if not has_config_keys(stage, config):
+        return (f"keys {sorted(config) if isinstance(config, dict) else config!r}, expected {list(config_keys(stage))}"
+                + (f" (and optionally {list(optional_keys(stage))})" if optional_keys(stage) else ""))
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in config.values()):
         return "every value must be an integer"
+    if "PERSISTENT" in config and config["PERSISTENT"] < 1:
+        return f"PERSISTENT={config['PERSISTENT']}: programs per SM >= 1 (absent: one program per tile)"
     for key, dim in (("BK", K), ("BV", V)):
         tile = config.get(key)
         if tile is None:
@@ -340,9 +367,10 @@ def chunk_sizes(spec) -> list[int]:
 
 def _distance(config: dict, default: dict) -> tuple:
     tiles = [k for k in sorted(default) if not isinstance(default[k], bool)]     # path switches are shared
-    changed = sum(config[k] != default[k] for k in tiles)
+    options = sorted((set(config) | set(default)) - set(tiles) - {k for k in default if isinstance(default[k], bool)})
+    changed = sum(config[k] != default[k] for k in tiles) + sum(config.get(k, 0) != default.get(k, 0) for k in options)
     spread = sum(abs(math.log2(config[k] / default[k])) for k in tiles)
-    return changed, spread, tuple(config[k] for k in tiles)
+    return changed, spread, tuple(config[k] for k in tiles) + tuple(config.get(k, 0) for k in options)
 
 
 def _axes(stage: str, K: int, V: int, default: dict) -> tuple:
@@ -381,11 +409,16 @@ def candidates(stage: str, *, K: int, V: int, BT: int, dtype: torch.dtype, defau
     """
     shape = {"K": K, "V": V, "BT": BT, "dtype": dtype}
     out = []
-    for bk, bv, w, s in itertools.product(*_axes(stage, K, V, default)):
+    # the persistent grid where the stage's kernel has one: one program per tile (absent), or per SM counts
+    persistent = (None,) + (PERSISTENT_PER_SM if stage in PERSISTENT_STAGES
+                            and (PERSISTENT_STAGES[stage] or not per_channel) else ())
+    for bk, bv, w, s, per_sm in itertools.product(*_axes(stage, K, V, default), persistent):
         config = {"BK": bk, "num_warps": w, "num_stages": s} if bv is None else \
             {"BK": bk, "BV": bv, "num_warps": w, "num_stages": s}
         if "TMA" in default:
             config["TMA"] = default["TMA"]              # a path choice the candidates share, not an axis
+        if per_sm is not None:
+            config["PERSISTENT"] = per_sm
         if config == default:
             continue
         rule = excluded(stage, config, shape)

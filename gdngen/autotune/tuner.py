@@ -407,7 +407,8 @@ def tune(spec, shapes: Iterable, *, module=None, timer: Optional[Callable] = Non
         report.results.append(result)
         # the cache holds tiles; a path switch the candidates share (state_output's TMA) stays the
         # default's at lookup, so a device without it reads the same entry
-        tiles_only = {k: v for k, v in result.winner.config.items() if k in _space.config_keys(stage)}
+        tiles_only = {k: v for k, v in result.winner.config.items()
+                      if k in _space.config_keys(stage) + _space.optional_keys(stage)}
         entries[result.key] = _cache.make_entry(
             tiles_only, spec_hash=spec.hash, ms=round(result.winner.ms, 6),
             default_ms=round(result.default.ms, 6), candidates=len(result.candidates),
