@@ -9,7 +9,8 @@ three lower bounds on an H200 (132 SMs, 1.98 GHz):
 
 * issue: warp instructions / (132 SMs x 4 schedulers x clock);
 * ex2: MUFU.EX2 warp instructions / (132 x 4 SMSPs x 0.5 per clock);
-* model: waves x max(one warp's critical path, issue of the warps sharing a scheduler). The
+* model: waves x max(one warp's critical path, issue of the warps sharing a scheduler) (a launch with the
+  PERSISTENT tile option: 132 x PERSISTENT programs, the tile loop run tiles / programs times). The
   critical path replays the SASS in order with its control bits (stall counts, scoreboards):
   fixed-latency ops cost their stall count, scoreboarded ones their assumed latency (LDG
   ``--ldg`` cycles, LDS 30, SHFL 25, MUFU 18, BAR.SYNC 20, wgmma by its FLOPs at 4096/clock + 60).
@@ -332,6 +333,15 @@ def profile(specs, *, B, T, H, HV, K, V, BT, dtype, overrides, lat, phases=("bwd
                 ins, labels = decode(compiled.asm["cubin"])
                 lp = loops(ins, labels)
                 tr = trips(name, ins, lp, launch.args, K=K, V=V, BT=BT, NT=NT)
+                per_sm = launch.args.get("PERSISTENT")
+                if per_sm:
+                    # a persistent launch (stages/_persistent.j2): SMS x PERSISTENT programs, each looping over
+                    # its share of the tiles; the tile loop is the outermost loop (these kernels have no other)
+                    tiles_total = math.prod(g)
+                    g = (min(tiles_total, SMS * int(per_sm)),)
+                    outer = max(range(len(lp)), key=lambda i: lp[i][1] - lp[i][0]) if lp else None
+                    if outer is not None:
+                        tr[outer] = math.ceil(tiles_total / g[0])
                 per_warp = weighted(ins, lp, tr, lambda a, b: counts(ins, a, b))
                 path = weighted(ins, lp, tr, lambda a, b: (critical_path(ins, a, b, lat) if (a, b) == (0, len(ins))
                                                            else loop_path(ins, a, b, lat)))

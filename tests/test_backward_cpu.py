@@ -283,8 +283,8 @@ def test_backward_persistent_grid_is_checked():
     assert tile_grid({"BK": 64}, (2, 3, 4), cpu) == ((2, 3, 4), {"BK": 64})
     assert tile_grid({"BK": 64, "PERSISTENT": 0}, (2, 3, 4), cpu) == ((2, 3, 4), {"BK": 64})
     assert tile_grid({"BK": 64, "PERSISTENT": 5}, (2, 3, 4), cpu) == (
-        (5,), {"BK": 64, "PERSISTENT": True, "N_TILES": 24, "TILES_0": 2, "TILES_1": 3})
-    assert tile_grid({"PERSISTENT": 50}, (6, 4), cpu) == ((24,), {"PERSISTENT": True, "N_TILES": 24, "TILES_0": 6})
+        (5,), {"BK": 64, "PERSISTENT": 5, "N_TILES": 24, "TILES_0": 2, "TILES_1": 3})
+    assert tile_grid({"PERSISTENT": 50}, (6, 4), cpu) == ((24,), {"PERSISTENT": 50, "N_TILES": 24, "TILES_0": 6})
     with pytest.raises(ValueError, match="PERSISTENT"):
         tile_grid({"PERSISTENT": -2}, (6, 4), cpu)
 

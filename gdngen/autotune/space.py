@@ -106,7 +106,9 @@ def config_keys(stage: str) -> tuple:
 # backward stages whose kernels take one - absent means one program per tile. Stage -> whether the
 # per-channel decay's kernel takes it too (its chunk and wy kernels are separate ones, without it).
 PERSISTENT_STAGES = {"wy_prep_bwd": True, "chunk_bwd": False, "wy_bwd": False}
-PERSISTENT_PER_SM = (1,)       # programs per SM the tuner tries beside one program per tile
+# programs per SM the tuner tries beside one program per tile (offline sm_90: the chunk and wy kernels fit one
+# per SM, wy_prep four)
+PERSISTENT_PER_SM = (1, 2)
 
 
 def optional_keys(stage: str) -> tuple:

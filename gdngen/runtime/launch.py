@@ -72,8 +72,9 @@ def tile_grid(config: dict, tiles: tuple, device: torch.device) -> tuple:
     ``config["PERSISTENT"]`` (a tile option; 0 or absent: one program per tile) asks for a
     persistent grid instead: that many programs per SM (on CPU: that many programs), each looping
     over tiles p, p + P, p + 2P, ... of the flattened grid, so that Triton's pipeliner issues a
-    tile's loads while the tile before computes. The kernel then gets N_TILES and the grid's
-    leading sizes (TILES_0, ...) to decode its tile indices. Returns ``(grid, keywords)``.
+    tile's loads while the tile before computes. The kernel then gets PERSISTENT (the count, a
+    constexpr: a launch records what it was asked), N_TILES and the grid's leading sizes (TILES_0,
+    ...) to decode its tile indices. Returns ``(grid, keywords)``.
     """
     per_sm = config.get("PERSISTENT", 0)
     if not per_sm:
@@ -90,7 +91,7 @@ def tile_grid(config: dict, tiles: tuple, device: torch.device) -> tuple:
             sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     else:
         sms = 1
-    keywords = dict(config, PERSISTENT=True, N_TILES=total)
+    keywords = dict(config, N_TILES=total)
     for i, size in enumerate(tiles[:-1]):
         keywords[f"TILES_{i}"] = size
     return (max(1, min(total, per_sm * sms)),), keywords
