@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from gdngen.autotune import cache as _cache
+from gdngen.autotune import space as _space
 from gdngen.runtime.launch import next_pow2
 from gdngen.runtime.tiles import _RECORDERS, MEMO_LIMIT, SM_COUNT_H200
 
@@ -115,9 +116,9 @@ def _launches_on_gpu() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
 
 
-# the stages whose kernels take a persistent grid (stages/_persistent.j2): stage -> whether a
-# per-channel decay's kernel does too (its chunk and wy kernels are separate, without one)
-PERSISTENT_STAGES = {"wy_prep": True, "chunk": False, "wy": False}
+# the stages whose kernels take a persistent grid (stages/_persistent.j2), by runtime name: stage -> whether
+# a per-channel decay's kernel does too (gdngen.autotune.space.PERSISTENT_STAGES, the one table)
+PERSISTENT_STAGES = {_space.runtime_stage(stage): per_channel for stage, per_channel in _space.PERSISTENT_STAGES.items()}
 
 
 def _problem(stage: str, config: dict, K: int, per_channel: bool = False) -> Optional[str]:

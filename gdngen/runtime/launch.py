@@ -65,6 +65,15 @@ def cdiv(a: int, b: int) -> int:
 _SM_COUNTS: dict = {}
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA device ``device`` (read once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 def tile_grid(config: dict, tiles: tuple, device: torch.device) -> tuple:
     """The grid and launch keywords of a chunk-parallel kernel (stages/_persistent.j2) over ``tiles``,
     its one-program-per-tile grid (dimension 0 fastest).
@@ -84,13 +93,7 @@ def tile_grid(config: dict, tiles: tuple, device: torch.device) -> tuple:
     if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 0:
         raise ValueError(f"PERSISTENT: expected a count of programs per SM (an int >= 0), got {per_sm!r}")
     total = functools.reduce(operator.mul, tiles, 1)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        sms = _SM_COUNTS.get(index)
-        if sms is None:
-            sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    else:
-        sms = 1
+    sms = sm_count(device) if device.type == "cuda" else 1
     keywords = dict(config, N_TILES=total)
     for i, size in enumerate(tiles[:-1]):
         keywords[f"TILES_{i}"] = size

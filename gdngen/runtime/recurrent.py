@@ -21,23 +21,13 @@ import torch
 
 from gdngen.autotune import cache as _cache
 from gdngen.runtime.tiles import _OVERRIDES   # the dict tiles.override() fills
-from gdngen.runtime.launch import next_pow2
+from gdngen.runtime.launch import next_pow2, sm_count
 
 STAGE = "recurrent"
 LINE_BYTES = 128              # one L2 cache line: the row segment a program should own at least
 STATE_VALUES_PER_THREAD = 32  # fp32 registers of state per thread
 MIN_BV = 8
-_SM_COUNT: dict = {}
 _RESOLVED: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the CUDA device ``device``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SM_COUNT.get(index)
-    if count is None:
-        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
 
 
 def default_recurrent_tiles(*, N: int, HV: int, K: int, V: int, state_dtype: torch.dtype, sms: int) -> dict:
