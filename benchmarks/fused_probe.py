@@ -19,7 +19,8 @@ stand-in [BT, BT] tile (rows ``fused+aqk-standin``; wrong outputs, times only).
 * ``--keep-values``: forward + backward with the forward's V_new kept for the backward (the default since
   stop 29) and recomputed by wy_prep (``override(spec, "keep_values", value=False)``), timed in the order
   kept, recomputed, recomputed, kept: ms, peak MiB, and the largest gradient difference between the two.
-* ``--split``: ``dtypes.intermediates: split`` built into a temp folder; forward and forward+backward,
+* ``--intermediates "split float16"`` (``--split``: split alone): each ``dtypes.intermediates`` policy built into a
+  temp folder; forward and forward+backward (the base timed before and after),
   and the relative error of o against float64 at T=4096 beside the base's.
 """
 from __future__ import annotations
@@ -47,15 +48,16 @@ def load_module(path: Path, name: str):
     return module
 
 
-def split_module(folder: Path):
+def policy_module(folder: Path, policy: str):
+    """gated_delta_rule with ``dtypes.intermediates: <policy>``, built into ``folder`` and imported."""
     from gdngen.cli import main
     d = yaml.safe_load((ROOT / "specs" / "gated_delta_rule.yaml").read_text())
-    d["name"] = "gated_delta_rule_split"
-    d.setdefault("dtypes", {})["intermediates"] = "split"
-    path = folder / "gated_delta_rule_split.yaml"
+    name = d["name"] = f"gated_delta_rule_{policy}"
+    d.setdefault("dtypes", {})["intermediates"] = policy
+    path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(d))
     assert main(["build", str(path), "--out", str(folder / "gen")]) == 0
-    return load_module(folder / "gen" / "gated_delta_rule_split.py", "gated_delta_rule_split")
+    return load_module(folder / "gen" / f"{name}.py", name)
 
 
 def inputs(B, T, H, HV, K=128, V=128, seed=0, grad=False):
@@ -86,13 +88,15 @@ def main():
     parser.add_argument("--train-state-tiles", default="", help='state tiles for forward+backward, e.g. "32,4,2 32,4,2,tma"')
     parser.add_argument("--bwd-tiles", default="", help='backward overrides, e.g. "wy:TMA=1 wy:BK=128,num_warps=8,TMA=1"')
     parser.add_argument("--keep-values", action="store_true")
-    parser.add_argument("--split", action="store_true")
+    parser.add_argument("--split", action="store_true", help="the same as --intermediates split")
+    parser.add_argument("--intermediates", default="", help='dtypes.intermediates policies beside the base, e.g. "split float16"')
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from gdngen.runtime import override
     base = importlib.import_module("generated.gated_delta_rule")
     folder = Path(tempfile.mkdtemp())
-    split = split_module(folder) if args.split else None
+    policies = args.intermediates.split() + (["split"] if args.split and "split" not in args.intermediates.split() else [])
+    variants = {policy: policy_module(folder, policy) for policy in policies}
     out = open(args.out, "a") if args.out else None
 
     def record(row):
@@ -202,14 +206,18 @@ def main():
             bk, w, st = (int(n) for n in tile.split(","))
             with override("gated_delta_rule", "wy", BK=bk, num_warps=w, num_stages=st):
                 record(dict(case, variant=f"fused, wy BK={bk} w={w} s={st}", ms=guarded(time_fwd, base, x)))
-        if split is not None:
-            record(dict(case, variant="split fwd", ms=time_fwd(split, x)))
-            with override("gated_delta_rule_split", "fused_output", value=False):
-                record(dict(case, variant="split fwd, output stage", ms=time_fwd(split, x)))
+        if variants:
+            for policy, module in variants.items():
+                record(dict(case, variant=f"{policy} fwd", ms=time_fwd(module, x)))
+                with override(module.SPEC.name, "fused_output", value=False):
+                    record(dict(case, variant=f"{policy} fwd, output stage", ms=time_fwd(module, x)))
+            record(dict(case, variant="base fwd (after)", ms=time_fwd(base, x)))
             xg = inputs(B, T, H, HV, grad=True)
             record(dict(case, variant="base fwd+bwd", ms=time_train(base, xg)))
-            record(dict(case, variant="split fwd+bwd", ms=time_train(split, xg)))
-    if split is not None:
+            for policy, module in variants.items():
+                record(dict(case, variant=f"{policy} fwd+bwd", ms=time_train(module, xg)))
+            record(dict(case, variant="base fwd+bwd (after)", ms=time_train(base, xg)))
+    if variants:
         from gdngen.reference import run as reference_run
         from gdngen.spec import load_spec
         spec = load_spec(str(ROOT / "specs" / "gated_delta_rule.yaml"))
@@ -217,12 +225,19 @@ def main():
         ref, _ = reference_run(spec, *(x[n].double().cpu() for n in ("q", "k", "v", "g", "beta")), form="chunked",
                                chunk_size=64)
         with torch.no_grad():
-            for label, module in (("base", base), ("split", split)):
+            for label, module in (("base", base), *variants.items()):
                 for fused in (True, False):
                     with override(module.SPEC.name, "fused_output", value=fused):
                         o, _ = op(module)(**x)
                     err = ((o.double().cpu() - ref).norm() / ref.norm()).item()
                     record(dict(B=1, T=4096, H=16, HV=32, variant=f"{label} precision, fused={fused}", rel_l2=err))
+        # every gradient's rel. RMSE against autograd through the float64 chunked reference
+        from gdngen.selfcheck import gradient_errors
+        for label, module in (("base", base), *variants.items()):
+            errors = gradient_errors(module.SPEC.name, {}, spec=module.SPEC, module=module, device="cuda",
+                                     B=1, T=2048, H=4, HV=8, K=128, V=128)
+            record(dict(B=1, T=2048, H=4, HV=8, variant=f"{label} gradient precision",
+                        **{n: float(f"{e:.4e}") for n, e in errors.items()}))
 
 
 if __name__ == "__main__":

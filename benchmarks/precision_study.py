@@ -175,6 +175,14 @@ RECOMPUTE_VNEW = [
 IEEE = [(FWD_PRECISION, FWD_PRECISION.replace("dot_precision(q.dtype)", '"ieee"'), 2),   # forward and backward
         (STATES_PRECISION, '    precision = "ieee"\n', 1)]
 
+# float16 instead of bf16 for the intra-chunk path (11 significant bits instead of 8, the same tensor-core rate
+# and bytes): T stored in float16, so the state pass's T X dot rounds X to it (STATE_TX_DOT rounds X to T's
+# dtype); V_new stored in float16; the output's P V_new dot on float16 operands.
+F16_TX = [(TMAT_ALLOC, TMAT_ALLOC.replace("dtype=tmat_dtype or k.dtype", "dtype=torch.float16"), 1)]
+F16_PV = [(VNEW_ALLOC, VNEW_ALLOC.replace("torch.empty_like(v)", "torch.empty_like(v, dtype=torch.float16)"), 1),
+          (OUTPUT_PV_DOT, "\n    b_o = (b_o + tl.dot(b_A.to(tl.float16), b_v.to(tl.float16), input_precision=DOT_PRECISION)) * scale", 1)]
+F16_VUPD = [(STATE_UPDATE_DOT, "b_h += tl.dot(tl.trans(b_k).to(tl.float16), b_v.to(tl.float16), input_precision=DOT_PRECISION)", 1)]
+
 # (name, kept points, extra edits, what it means)
 VARIANTS = [("as generated", (), [], "every intermediate as the kernels round it today")]
 VARIANTS += [(f"{p} f32", (p,), [], f"only {p} kept in float32 (float32 dots meet TF32)") for p in POINTS]
@@ -188,6 +196,9 @@ VARIANTS += [
      "output forms V_new = T X from v, T, h in float32 (X split), P V_new 3 bf16 dots; state pass as generated"),
     ("Vnew recomputed + state X/Vupd split", (), RECOMPUTE_VNEW + SPLIT_X + SPLIT_VUPD,
      "as above, and the state pass's X and update operand split (its V_new store would go)"),
+    ("T+X f16", (), F16_TX, "T in memory and X as float16 (the T X dot on float16 operands)"),
+    ("T+X+Vnew+P f16", (), F16_TX + F16_PV, "as above, V_new in memory and P V_new as float16 too"),
+    ("T+X+Vnew+P+Vupd f16", (), F16_TX + F16_PV + F16_VUPD, "as above, and the state update's operands float16"),
     ("T+X f32", ("T", "X"), [], "the whole V_new = T X product in float32"),
     ("T+X+Vnew+P f32", ("T", "X", "Vnew", "P"), [], "the intra-chunk path in float32"),
     ("all f32 (TF32 dots)", POINTS, [], "every rounding point float32; float32 dots at TF32"),

@@ -42,7 +42,7 @@ def patch_bf16_interpreter(tf32_mode: str = "off"):
         return (bits & np.uint32(0xFFFFE000)).view(np.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+        if {tl.bfloat16, tl.float16} & {a.dtype.scalar, b.dtype.scalar}:     # 16-bit products are exact in float32
             return interp.TensorHandle(np.matmul(as_f32(a), as_f32(b), dtype=np.float32) + d.data, d.dtype.scalar)
         precision = str(input_precision).lower()
         if tf32_mode != "off" and a.dtype.scalar == tl.float32 and "tf32" in precision and "x3" not in precision:

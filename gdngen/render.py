@@ -78,6 +78,7 @@ def render_module(spec: Spec) -> str:
         chunk_state_dtype="torch.float32" if spec.dtypes.chunk_states == "float32" else "k.dtype",
         float32_intermediates=spec.dtypes.intermediates == "float32",
         split_intermediates=spec.dtypes.intermediates == "split",
+        half_intermediates=spec.dtypes.intermediates == "float16",
         **plan.exprs,
     )
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"

@@ -6,6 +6,7 @@ checks is what a user's self-check runs.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 import statistics
 import time
 import warnings
@@ -107,15 +108,17 @@ def make_inputs(spec: Spec, B=2, T=40, H=2, HV=4, K=16, V=16, *, dtype=torch.flo
 
 
 def gradient_errors(spec_name: str, options: dict, *, chunk_size: int = 64, dtype=torch.bfloat16, device="cpu",
-                    seed: int = 3, fused_gate: bool = False, beta_logits: bool = False, **shape) -> dict:
+                    seed: int = 3, fused_gate: bool = False, beta_logits: bool = False, spec: Optional[Spec] = None,
+                    module=None, **shape) -> dict:
     """Rel. RMSE of ``o`` and of every floating input's gradient (keyed by input name) of the generated
     ``chunk_<spec>`` against autograd through the float64 chunked reference: inputs from
     :func:`make_inputs` (``seed``, ``shape``), one random ``do`` / ``dht`` pair (seed ``seed + 1``).
-    The GPU tier's backward check and the bf16-emulation tests and scripts all measure this."""
+    The GPU tier's backward check and the bf16-emulation tests and scripts all measure this.
+    ``spec`` and ``module``: a spec built elsewhere (default: specs/<spec_name>.yaml, generated/)."""
     import importlib
     from gdngen.spec import load_spec
-    spec = load_spec(f"specs/{spec_name}.yaml")
-    module = importlib.import_module(f"generated.{spec_name}")
+    spec = spec if spec is not None else load_spec(f"specs/{spec_name}.yaml")
+    module = module if module is not None else importlib.import_module(f"generated.{spec_name}")
     inputs = make_inputs(spec, dtype=dtype, device=device, seed=seed, fused_gate=fused_gate,
                          beta_logits=beta_logits, **shape)
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()

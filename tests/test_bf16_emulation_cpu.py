@@ -161,15 +161,17 @@ def test_normalized_linear_attn_bf16_dq(bf16_interpreter, feature_map, dq_bound)
     assert max(errors["k"], errors["v"], errors["initial_state"]) <= 4e-3, errors
 
 
+@pytest.mark.parametrize("policy", ["split", "float16"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_split_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, fused, B=1, H=2, HV=2):
+def test_precise_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, policy, fused, B=1, H=2, HV=2):
     """dtypes.intermediates: split (16-bit buffers; the output stage recomputes V_new in float32 and
-    splits its float32 products into bf16 hi + lo pairs): exact in float32, and o's bf16 error well
-    below the default's (issue #10's shape class at T=1024: 3.32e-3 -> 1.75e-3, floor 1.66e-3).
-    ``fused``: the output written by the state pass (a no-grad forward's default), from V_new's hi + lo
-    pair formed there and the wy stage's float32 scores; else by the output stage."""
+    splits its float32 products into bf16 hi + lo pairs) and float16 (T, X, V_new and the scores
+    rounded to float16, not bf16): exact in float32, and o's bf16 error well below the default's
+    (issue #10's shape class at T=1024: 3.32e-3 -> 1.75e-3 either way, floor 1.66e-3).
+    ``fused``: the output written by the state pass (a no-grad forward's default; split forms V_new's
+    hi + lo pair there from the wy stage's float32 scores); else by the output stage."""
     from gdngen.runtime import override
-    spec, split = spec_variant("gated_delta_rule", "split", intermediates="split")
+    spec, split = spec_variant("gated_delta_rule", policy, intermediates=policy)
     base_spec = load_spec("specs/gated_delta_rule.yaml")
     base = importlib.import_module("generated.gated_delta_rule")
     errors = {}
@@ -188,12 +190,14 @@ def test_split_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, 
     assert ht_split <= ht_in * 1.05, errors       # the state pass is the default's (on the T path)
 
 
+@pytest.mark.parametrize("policy", ["split", "float16"])
 @pytest.mark.parametrize("base_name", ["gated_delta_rule", "delta_rule"])      # scalar decay, no decay
-def test_split_intermediates_gradients_and_fake(spec_variant, base_name):
-    """The split variant through autograd (float32, against the float64 reference: every gradient,
-    dh0 included), and its torch.library fake gives the real op's output shapes (T always kept)."""
+def test_precise_intermediates_gradients_and_fake(spec_variant, base_name, policy):
+    """The split and float16 variants through autograd (float32, against the float64 reference: every
+    gradient, dh0 included), and their torch.library fakes give the real op's output shapes and dtypes
+    (T always kept)."""
     from gdngen import reference
-    spec, split = spec_variant(base_name, "split", intermediates="split")
+    spec, split = spec_variant(base_name, policy, intermediates=policy)
     inputs = make_inputs(spec, dtype=torch.float32, device="cpu", seed=9, B=2, T=80, H=2, HV=4, K=32, V=32)
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
@@ -214,5 +218,26 @@ def test_split_intermediates_gradients_and_fake(spec_variant, base_name):
     options = [32 ** -0.5, True, 16, False, False, False, False]   # scale .. allow_neg_eigval
     real = getattr(torch.ops.gdngen, spec.chunk_function)(*op_args, *options)
     fake = getattr(split, f"_{spec.chunk_function}_fake")(*op_args, *options)
-    assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake]
-    assert real[3].numel() > 0                     # T: the split variant always takes the T path
+    assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in fake]
+    assert real[3].numel() > 0                     # T: both variants always take the T path
+
+
+def test_float16_intermediates_bf16_gradients(bf16_interpreter, spec_variant):
+    """dtypes.intermediates: float16 with bf16 inputs: the op keeps T and V_new in float16 for the
+    backward (the fake says so too), whose kernels round them to the gradients' dtype on load; every
+    gradient (dh0 included) against float64 no worse than the default spec's bf16 gradients."""
+    spec, variant = spec_variant("gated_delta_rule", "float16", intermediates="float16")
+    base_spec = load_spec("specs/gated_delta_rule.yaml")
+    options = dict(B=1, T=192, H=2, HV=2, K=64, V=64)
+    errors = {label: gradient_errors(s.name, {}, spec=s, module=m, **options)
+              for label, (s, m) in {"input": (base_spec, importlib.import_module("generated.gated_delta_rule")),
+                                    "float16": (spec, variant)}.items()}
+    for name, err in errors["float16"].items():
+        assert err <= 1.1 * errors["input"][name] + 1e-4, (name, errors)
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=3, **options)
+    op_args = [inputs.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state")] + [None, None, None]
+    options = [64 ** -0.5, True, 64, False, False, False, False]   # scale .. allow_neg_eigval
+    real = getattr(torch.ops.gdngen, spec.chunk_function)(*op_args, *options)
+    fake = getattr(variant, f"_{spec.chunk_function}_fake")(*op_args, *options)
+    assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in fake]
+    assert real[3].dtype == real[4].dtype == torch.float16 and real[4].numel() > 0, [t.dtype for t in real]

@@ -145,15 +145,17 @@ def test_float32_intermediates_precision(spec_variant, B, H, HV):
     assert errors["float32"][1] <= errors["input"][1], errors
 
 
+@pytest.mark.parametrize("policy", ["split", "float16"])
 @pytest.mark.parametrize("B,H,HV", [(1, 2, 4), (2, 16, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fused", [False, True])
-def test_split_intermediates_precision(spec_variant, B, H, HV, dtype, fused):
+def test_precise_intermediates_precision(spec_variant, B, H, HV, dtype, fused, policy):
     """dtypes.intermediates: split (the output stage recomputes V_new in float32, 16-bit hi + lo
-    products) against the default at issue #10's precision shape class (K=V=128, T=4096): o within
-    the issue's 2e-3 in bf16 (CPU emulation: 1.75e-3), lower than the default in both 16-bit dtypes.
+    products) and float16 (T, X, V_new and the scores in float16) against the default at issue #10's
+    precision shape class (K=V=128, T=4096): o within the issue's 2e-3 in bf16 (CPU emulation: 1.75e-3
+    both), lower than the default (float16 inputs: split lower, float16 the default's own path).
     ``fused``: both written by the state pass (the split's V_new pair formed there)."""
-    spec, split = spec_variant("gated_delta_rule", "split", intermediates="split")
+    spec, split = spec_variant("gated_delta_rule", policy, intermediates=policy)
     base_spec = load_spec("specs/gated_delta_rule.yaml")
     base = importlib.import_module("generated.gated_delta_rule")
     from gdngen.runtime import override
@@ -165,10 +167,13 @@ def test_split_intermediates_precision(spec_variant, B, H, HV, dtype, fused):
             o, ht = call(module, s, inputs, output_final_state=True, chunk_size=64)
         o_ref, ht_ref = reference_outputs(s, inputs, output_final_state=True)
         errors[label] = rel_rmse(o, o_ref), rel_rmse(ht, ht_ref)
+    if policy == "float16" and dtype == torch.float16:
+        assert errors["split"] == errors["input"], errors              # float16 inputs: the same kernels' path
+        return
     assert errors["split"][0] < errors["input"][0], errors
     if dtype == torch.bfloat16:
         assert errors["split"][0] <= 2e-3, errors
-    assert errors["split"][1] <= errors["input"][1] * 1.001, errors     # the same state pass
+    assert errors["split"][1] <= errors["input"][1] * 1.001, errors     # split: the same state pass; float16: better
 
 
 @pytest.mark.parametrize("name", ["simple_gla", "gated_delta_rule"])

@@ -287,12 +287,14 @@ def test_invalid_yaml(tmp_path):
     _rejects(tmp_path, "name: x\ntransition: {decay: scalar, delta: true\n", "<yaml>", match="not valid YAML")
 
 
+@pytest.mark.parametrize("policy", ["split", "float16"])
 @pytest.mark.parametrize("transition", [{"decay": "vector", "delta": True}, {"decay": "scalar", "delta": False}])
-def test_split_intermediates_needs_the_delta_rule_with_scalar_or_no_decay(tmp_path, transition):
-    """dtypes.intermediates: split recomputes V_new in the output stage: a per-channel decay or an
-    additive spec (no V_new) is refused by key; the delta rule with scalar or no decay is taken."""
-    data = _with(_with(MINIMAL, "transition", transition), "dtypes.intermediates", "split")
+def test_precise_intermediates_need_the_delta_rule_with_scalar_or_no_decay(tmp_path, transition, policy):
+    """dtypes.intermediates: split recomputes V_new in the output stage, float16 rounds T, X, V_new and
+    the scores to float16: a per-channel decay or an additive spec (no V_new) is refused by key; the
+    delta rule with scalar or no decay is taken."""
+    data = _with(_with(MINIMAL, "transition", transition), "dtypes.intermediates", policy)
     _rejects(tmp_path, data, "dtypes.intermediates", match="scalar or no decay")
     for decay in ("scalar", "none"):
-        ok = _with(_with(MINIMAL, "transition", {"decay": decay, "delta": True}), "dtypes.intermediates", "split")
-        assert load_spec(_write(tmp_path, ok)).dtypes.intermediates == "split"
+        ok = _with(_with(MINIMAL, "transition", {"decay": decay, "delta": True}), "dtypes.intermediates", policy)
+        assert load_spec(_write(tmp_path, ok)).dtypes.intermediates == policy

@@ -107,7 +107,9 @@ def config_keys(stage: str) -> tuple:
 # per-channel decay's kernel takes it too (its chunk and wy kernels are separate ones, without it).
 PERSISTENT_STAGES = {"wy_prep_bwd": True, "chunk_bwd": False, "wy_bwd": False}
 # programs per SM the tuner tries beside one program per tile (offline sm_90: the chunk and wy kernels fit one
-# per SM, wy_prep four)
+# per SM, wy_prep four). Ranked after every one-program-per-tile config: on the H200 it lost for chunk and wy
+# (+4-8% fwd+bwd at three shapes) and tied for wy_prep (stop 31, benchmarks/NOTES.md), so a capped search
+# spends its slots on tiles first.
 PERSISTENT_PER_SM = (1, 2)
 
 
@@ -435,6 +437,6 @@ def candidates(stage: str, *, K: int, V: int, BT: int, dtype: torch.dtype, defau
                 pruned.append((config, why))
             continue
         out.append(config)
-    out.sort(key=lambda c: _distance(c, default))
+    out.sort(key=lambda c: ("PERSISTENT" in c, _distance(c, default)))
     out.insert(0, dict(default))
     return out[:limit] if limit else out
