@@ -90,6 +90,8 @@ def main():
     parser.add_argument("--keep-values", action="store_true")
     parser.add_argument("--split", action="store_true", help="the same as --intermediates split")
     parser.add_argument("--intermediates", default="", help='dtypes.intermediates policies beside the base, e.g. "split float16"')
+    parser.add_argument("--rounds", type=int, default=1, help="with --intermediates: fwd+bwd timed this many times over, interleaved")
+    parser.add_argument("--no-precision", action="store_true", help="with --intermediates: skip the precision rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from gdngen.runtime import override
@@ -213,11 +215,12 @@ def main():
                     record(dict(case, variant=f"{policy} fwd, output stage", ms=time_fwd(module, x)))
             record(dict(case, variant="base fwd (after)", ms=time_fwd(base, x)))
             xg = inputs(B, T, H, HV, grad=True)
-            record(dict(case, variant="base fwd+bwd", ms=time_train(base, xg)))
-            for policy, module in variants.items():
-                record(dict(case, variant=f"{policy} fwd+bwd", ms=time_train(module, xg)))
+            for round_ in range(args.rounds):
+                record(dict(case, variant="base fwd+bwd", round=round_, ms=time_train(base, xg)))
+                for policy, module in variants.items():
+                    record(dict(case, variant=f"{policy} fwd+bwd", round=round_, ms=time_train(module, xg)))
             record(dict(case, variant="base fwd+bwd (after)", ms=time_train(base, xg)))
-    if variants:
+    if variants and not args.no_precision:
         from gdngen.reference import run as reference_run
         from gdngen.spec import load_spec
         spec = load_spec(str(ROOT / "specs" / "gated_delta_rule.yaml"))
