@@ -273,11 +273,11 @@ def spec_from_dict(raw: Any, source: str = "<memory>") -> Spec:
                     chunk_states=r.choice(dt["chunk_states"], "dtypes.chunk_states",
                                           ("float32", "input")),
                     intermediates=r.choice(dt["intermediates"], "dtypes.intermediates", ("float16", "float32", "input", "split")))
-    if dtypes.intermediates == "split" and not (transition.delta and transition.decay in ("scalar", "none")):
-        r.fail("dtypes.intermediates", "'split' recomputes the delta rule's V_new in the output stage: it needs "
-               f"transition.delta true and a scalar or no decay, got delta {transition.delta}, decay {transition.decay!r}")
-    if dtypes.intermediates == "float16" and not (transition.delta and transition.decay in ("scalar", "none")):
-        r.fail("dtypes.intermediates", "'float16' rounds the delta rule's T, X, V_new and scores to float16: it needs "
+    # the precision policies the scalar- and no-decay delta rule's kernels implement
+    needs_delta = {"split": "recomputes the delta rule's V_new in the output stage",
+                   "float16": "rounds the delta rule's T, X, V_new and scores to float16"}
+    if dtypes.intermediates in needs_delta and not (transition.delta and transition.decay in ("scalar", "none")):
+        r.fail("dtypes.intermediates", f"{dtypes.intermediates!r} {needs_delta[dtypes.intermediates]}: it needs "
                f"transition.delta true and a scalar or no decay, got delta {transition.delta}, decay {transition.decay!r}")
 
     return Spec(name=name, description=description, transition=transition, gates=gates,

@@ -108,7 +108,7 @@ def config_keys(stage: str) -> tuple:
 PERSISTENT_STAGES = {"wy_prep_bwd": True, "chunk_bwd": False, "wy_bwd": False}
 # programs per SM the tuner tries beside one program per tile (offline sm_90: the chunk and wy kernels fit one
 # per SM, wy_prep four). Ranked after every one-program-per-tile config: on the H200 it lost for chunk and wy
-# (+4-8% fwd+bwd at three shapes) and tied for wy_prep (stop 31, benchmarks/NOTES.md), so a capped search
+# (+2.5-8% fwd+bwd at the long shapes) and tied for wy_prep (stop 31, benchmarks/NOTES.md), so a capped search
 # spends its slots on tiles first.
 PERSISTENT_PER_SM = (1, 2)
 

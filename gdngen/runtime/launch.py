@@ -43,8 +43,8 @@ def half_intermediate(dtype: torch.dtype) -> torch.dtype:
     ``dtypes.intermediates: float16``: float16 for 16-bit inputs, the inputs' own dtype otherwise.
 
     float16 keeps 11 significant bits where bf16 keeps 8, at the same bytes and tensor-core rate:
-    GDN's bf16 output error against float64 3.32e-3 -> 1.75e-3 (CPU emulation, K=V=128, T=1024;
-    the floor, the float64 output rounded once to bf16, is 1.66e-3). Its range ends at 65504: V_new,
+    GDN's bf16 output error against float64 3.33e-3 -> 1.76e-3 on the H200 at (1, 4096, 16, 32),
+    K=V=128 (the floor, the float64 output rounded once to bf16, is ~1.66e-3). Its range ends at 65504: V_new,
     the delta rule's residual beta (v - S^T k), is of the values' size for unit keys, and T = (I + A)^-1
     of order one unless a chunk's keys nearly repeat; a value past the range becomes inf in the output
     (loud, never a finite wrong number)."""
