@@ -1,5 +1,6 @@
 """Tier selection: without a GPU, generated kernels run under the Triton interpreter on CPU."""
 import os
+import sys
 
 import pytest
 import torch
@@ -62,6 +63,7 @@ def spec_variant(tmp_path):
         assert main(["build", str(path), "--out", str(tmp_path / "gen")]) == 0
         module_spec = importlib.util.spec_from_file_location(d["name"], tmp_path / "gen" / f"{d['name']}.py")
         module = importlib.util.module_from_spec(module_spec)
+        sys.modules[d["name"]] = module      # as an import would: gdngen.parallel finds SPEC_INFO through it
         module_spec.loader.exec_module(module)
         return load_spec(path), module
     return make

@@ -76,8 +76,7 @@ def test_kda_bf16_head_dims_error(bf16_interpreter, K, V):
 @pytest.mark.parametrize("B,H,HV", [(1, 2, 2), (2, 16, 16)])   # few / many programs (float32 intermediates: the T path at both)
 def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant, B, H, HV):
     spec, precise = spec_variant("gated_delta_rule", "f32_intermediates", intermediates="float32")
-    base_spec = load_spec("specs/gated_delta_rule.yaml")
-    base = importlib.import_module("generated.gated_delta_rule")
+    base_spec, base = spec_variant("gated_delta_rule", "input", intermediates="input")     # bf16 intermediates
     K = V = 32
     errors = {}
     for label, (s, module) in {"input": (base_spec, base), "float32": (spec, precise)}.items():
@@ -92,9 +91,17 @@ def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant
 
 
 def test_intermediates_default_keeps_earlier_spec_hashes():
+    """A spec at the default policy ("input", written or not) hashes as it did before the key existed
+    (GDN's 21f8afa1ca95e115, which its shipped entries carried until stop 31); the shipped GDN entries
+    carry the bundled spec's hash (float16 since stop 31: re-keyed, the same bytes and dots)."""
     import json
+
+    from gdngen.spec import spec_from_dict
     spec = load_spec("specs/gated_delta_rule.yaml")
-    assert spec.dtypes.intermediates == "input"
+    assert spec.dtypes.intermediates == "float16"
+    as_input = spec.to_dict()
+    as_input["dtypes"]["intermediates"] = "input"
+    assert spec_from_dict(as_input).hash == "21f8afa1ca95e115"
     shipped = json.load(open("gdngen/autotune/shipped/h200.json"))
     gdn = {e["spec_hash"] for key, e in shipped["entries"].items() if key.startswith("gated_delta_rule/")}
     assert gdn == {spec.hash}
@@ -109,7 +116,7 @@ def test_kda_k20_within_the_bar_with_float32_intermediates(bf16_interpreter, spe
     assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3, (rel_rmse(o, o_ref), rel_rmse(ht, ht_ref))
 
 
-def test_split_bf16_matches_the_unsplit_call(bf16_interpreter):
+def test_split_bf16_matches_the_unsplit_call(bf16_interpreter, spec_variant):
     """Issue #9's intra-card split at >= 4 segments equals the unsplit bf16 call up to the rounding
     of the tokens just past each piece boundary.
 
@@ -120,17 +127,18 @@ def test_split_bf16_matches_the_unsplit_call(bf16_interpreter):
     4 chunks: o 3.06e-3 and final state 2.56e-3 from the plain call on the T path; pinned to the
     unsplit call's path (gdngen.parallel.local._Call.same_paths_as) o 1.00e-3 (boundary tokens only), final
     state bit-equal (the gates decay the carried state below float32's resolution within a piece).
+    GDN with bf16 intermediates (``input``): the bundled spec's float16 policy always takes the T path.
     """
     import torch.nn.functional as F
 
     from gdngen import reference
     from gdngen.parallel import split_sequence_forward
     from gdngen.runtime.tiles import store_wu
-    import generated.gated_delta_rule as gdn
 
-    fn = gdn.chunk_gated_delta_rule
+    spec, gdn = spec_variant("gated_delta_rule", "input", intermediates="input")
+    fn = getattr(gdn, spec.chunk_function)
     B, T, H, HV, K, V = 1, 1024, 2, 8, 16, 16
-    assert store_wu("gated_delta_rule", N=B, HV=HV) and not store_wu("gated_delta_rule", N=4 * B, HV=HV)
+    assert store_wu(spec.name, N=B, HV=HV) and not store_wu(spec.name, N=4 * B, HV=HV)
     gen = torch.Generator().manual_seed(0)                       # benchmarks/bench_cp.py's inputs
     q = torch.randn(B, T, H, K, generator=gen).bfloat16()
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).bfloat16()
@@ -172,8 +180,7 @@ def test_precise_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant
     hi + lo pair there from the wy stage's float32 scores); else by the output stage."""
     from gdngen.runtime import override
     spec, split = spec_variant("gated_delta_rule", policy, intermediates=policy)
-    base_spec = load_spec("specs/gated_delta_rule.yaml")
-    base = importlib.import_module("generated.gated_delta_rule")
+    base_spec, base = spec_variant("gated_delta_rule", "input", intermediates="input")     # bf16 intermediates
     errors = {}
     for label, (s, module) in {"input": (base_spec, base), "split": (spec, split)}.items():
         for dtype in (torch.float32, torch.bfloat16):
@@ -227,10 +234,9 @@ def test_float16_intermediates_bf16_gradients(bf16_interpreter, spec_variant):
     backward (the fake says so too), whose kernels round them to the gradients' dtype on load; every
     gradient (dh0 included) against float64 no worse than the default spec's bf16 gradients."""
     spec, variant = spec_variant("gated_delta_rule", "float16", intermediates="float16")
-    base_spec = load_spec("specs/gated_delta_rule.yaml")
     options = dict(B=1, T=192, H=2, HV=2, K=64, V=64)
     errors = {label: gradient_errors(s.name, {}, spec=s, module=m, **options)
-              for label, (s, m) in {"input": (base_spec, importlib.import_module("generated.gated_delta_rule")),
+              for label, (s, m) in {"input": spec_variant("gated_delta_rule", "input", intermediates="input"),
                                     "float16": (spec, variant)}.items()}
     for name, err in errors["float16"].items():
         assert err <= 1.1 * errors["input"][name] + 1e-4, (name, errors)

@@ -133,8 +133,7 @@ def test_float32_intermediates_precision(spec_variant, B, H, HV):
     issue #10's precision shape class (bf16, K=V=128, T=4096): lower error, and within the issue's 2e-3 (CPU
     emulation: 1.8e-3; a bf16 output alone costs 1.66e-3)."""
     spec, precise = spec_variant("gated_delta_rule", "f32_intermediates", intermediates="float32")
-    base_spec = load_spec("specs/gated_delta_rule.yaml")
-    base = importlib.import_module("generated.gated_delta_rule")
+    base_spec, base = spec_variant("gated_delta_rule", "input", intermediates="input")     # bf16 intermediates
     errors = {}
     for label, (s, module) in {"input": (base_spec, base), "float32": (spec, precise)}.items():
         inputs = make_inputs(s, dtype=torch.bfloat16, device="cuda", seed=4, B=B, T=4096, H=H, HV=HV, K=128, V=128)
@@ -156,13 +155,12 @@ def test_precise_intermediates_precision(spec_variant, B, H, HV, dtype, fused, p
     both), lower than the default (float16 inputs: split lower, float16 the default's own path).
     ``fused``: both written by the state pass (the split's V_new pair formed there)."""
     spec, split = spec_variant("gated_delta_rule", policy, intermediates=policy)
-    base_spec = load_spec("specs/gated_delta_rule.yaml")
-    base = importlib.import_module("generated.gated_delta_rule")
+    base_spec, base = spec_variant("gated_delta_rule", "input", intermediates="input")     # bf16 intermediates
     from gdngen.runtime import override
     errors = {}
     for label, (s, module) in {"input": (base_spec, base), "split": (spec, split)}.items():
         inputs = make_inputs(s, dtype=dtype, device="cuda", seed=4, B=B, T=4096, H=H, HV=HV, K=128, V=128)
-        with override("gated_delta_rule", "store_wu", value=False), \
+        with override(base_spec.name, "store_wu", value=False), \
                 override(s.name, "fused_output", value=fused):              # the T path, as split takes
             o, ht = call(module, s, inputs, output_final_state=True, chunk_size=64)
         o_ref, ht_ref = reference_outputs(s, inputs, output_final_state=True)

@@ -213,13 +213,14 @@ def _worker_checks(rank):
 def _check_cp_kernel_path(rank):
     """Every rank's op calls take the 1-process call's kernel path (tiles.store_wu by N * HV): 4 packed
     sequences x HV=8 take the T path, while a shard's 1 to 3 local sequences alone would take W/U
-    (the paths round bf16 differently: 2.66e-3 apart at (1,32768,2,8) on the H200). Both schemes."""
-    import generated.gated_delta_rule as gdn
+    (the paths round bf16 differently: 2.66e-3 apart at (1,32768,2,8) on the H200). Both schemes.
+    delta_rule: the bundled GDN spec's float16 intermediates always take the T path."""
+    import generated.delta_rule as gdn
     from gdngen.runtime.tiles import store_wu
     x = make_inputs(gdn.SPEC, H=2, HV=8, K=16, V=16, seed=4, lengths=[20, 50, 7, 19])
     shards = {k: (v.chunk(2, dim=1)[rank] if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
-    o_ref, final_ref = gdn.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=CHUNK)
-    expected = store_wu("gated_delta_rule", N=4, HV=8)
+    o_ref, final_ref = gdn.chunk_delta_rule(**x, output_final_state=True, chunk_size=CHUNK)
+    expected = store_wu("delta_rule", N=4, HV=8)
     for transfer in ("op", "pipeline"):
         seen = []
 
@@ -229,7 +230,7 @@ def _check_cp_kernel_path(rank):
         real, gdn.store_wu = gdn.store_wu, spy
         try:
             with torch.no_grad():
-                o, final = context_parallel(gdn.chunk_gated_delta_rule, **shards, output_final_state=True,
+                o, final = context_parallel(gdn.chunk_delta_rule, **shards, output_final_state=True,
                                             chunk_size=CHUNK, transfer=transfer)
         finally:
             gdn.store_wu = real
@@ -312,8 +313,9 @@ def test_split_takes_the_unsplit_calls_kernel_path(monkeypatch, lengths):
     """The op picks W/U-in-memory or the T path by N * HV (tiles.store_wu) and the two round bf16
     differently (2.66e-3 apart at (1,32768,2,8) on the H200). The split runs each sequence as a
     batch of pieces (N = 4 here: N * HV = 32, the T path) but must take the path of the unsplit call
-    (N = 1 or 2, HV = 8: W/U), or its bf16 outputs differ from that call's by the paths' difference."""
-    import generated.gated_delta_rule as gdn
+    (N = 1 or 2, HV = 8: W/U), or its bf16 outputs differ from that call's by the paths' difference.
+    delta_rule: the bundled GDN spec's float16 intermediates always take the T path."""
+    import generated.delta_rule as gdn
     from gdngen.runtime.tiles import override, store_wu
     seen = []
 
@@ -323,16 +325,16 @@ def test_split_takes_the_unsplit_calls_kernel_path(monkeypatch, lengths):
         return decided
     monkeypatch.setattr(gdn, "store_wu", spy)
     x = make_inputs(gdn.SPEC, B=1, T=512, H=2, HV=8, K=16, V=16, seed=2, lengths=lengths)
-    o, final = split_sequence_forward(gdn.chunk_gated_delta_rule, **x, output_final_state=True, chunk_size=64,
+    o, final = split_sequence_forward(gdn.chunk_delta_rule, **x, output_final_state=True, chunk_size=64,
                                       segments=4 if lengths is None else 2)
     unsplit_N = 1 if lengths is None else 2
-    assert seen and all(decided == store_wu("gated_delta_rule", N=unsplit_N, HV=8) for _, decided in seen), seen
-    assert [N for N, _ in seen] == [4] and store_wu("gated_delta_rule", N=4, HV=8) is False
-    with override("gated_delta_rule", "store_wu", value=False):      # an explicit choice stands
+    assert seen and all(decided == store_wu("delta_rule", N=unsplit_N, HV=8) for _, decided in seen), seen
+    assert [N for N, _ in seen] == [4] and store_wu("delta_rule", N=4, HV=8) is False
+    with override("delta_rule", "store_wu", value=False):      # an explicit choice stands
         seen.clear()
-        split_sequence_forward(gdn.chunk_gated_delta_rule, **x, segments=4, chunk_size=64)
+        split_sequence_forward(gdn.chunk_delta_rule, **x, segments=4, chunk_size=64)
         assert [d for _, d in seen] == [False]
-    o_ref, final_ref = gdn.chunk_gated_delta_rule(**x, output_final_state=True, chunk_size=64)
+    o_ref, final_ref = gdn.chunk_delta_rule(**x, output_final_state=True, chunk_size=64)
     assert rel_rmse(o, o_ref) <= TOL and rel_rmse(final, final_ref) <= TOL
 
 
