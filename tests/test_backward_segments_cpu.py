@@ -169,7 +169,8 @@ class _Allocations(TorchDispatchMode):
 def test_segments_allocate_no_full_length_intermediate(options, H):
     """In 4 segments the backward allocates nothing of a quarter of q's size or more but the gradient
     buffers (dq, dk, dv); in one call the chunk-end state gradients, W, dV_new ... are all full length
-    (T and V_new are the forward's, kept: the backward allocates neither)."""
+    (T and V_new are the forward's, kept: the backward allocates neither - float16 intermediates always
+    take the T path, so the forward keeps T at this small N * HV too)."""
     spec = load_spec("specs/gated_delta_rule.yaml")
     module = importlib.import_module("generated.gated_delta_rule")
     inputs = make_inputs(spec, B=1, T=256, H=H, HV=2, K=16, V=16)
@@ -183,7 +184,7 @@ def test_segments_allocate_no_full_length_intermediate(options, H):
             torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
         found[segments] = sorted(nbytes for _, nbytes in seen.new if nbytes > inputs["v"].nbytes // 4)
     assert found[4] == sorted([inputs["q"].nbytes, inputs["k"].nbytes, inputs["v"].nbytes]), found
-    assert len(found[1]) >= 6, found
+    assert len(found[1]) >= 5, found
 
 
 def test_first_call_compile_gets_the_segmented_closure():
@@ -216,12 +217,14 @@ def test_first_call_compile_gets_the_segmented_closure():
 
 def test_segments_look_tiles_up_for_the_whole_length():
     """Tuned tables are keyed by the sequence length's class: a segment (here 32 of 64 tokens) asks
-    for the whole call's T, in its recomputed forward stages (wy) and in every backward stage."""
-    spec = load_spec("specs/gated_delta_rule.yaml")
-    module = importlib.import_module("generated.gated_delta_rule")
+    for the whole call's T, in its recomputed forward stages (wy) and in every backward stage.
+    delta_rule: at N * HV = 2 its forward takes the W/U path and keeps no T, so the backward recomputes
+    it (the bundled GDN spec's float16 intermediates always keep T)."""
+    spec = load_spec("specs/delta_rule.yaml")
+    module = importlib.import_module("generated.delta_rule")
     inputs = make_inputs(spec, B=1, T=64, H=1, HV=2, K=16, V=16)
-    leaves = {n: inputs[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
-    o, _ = module.chunk_gated_delta_rule(**{**inputs, **leaves}, chunk_size=16)
+    leaves = {n: inputs[n].clone().requires_grad_(True) for n in ("q", "k", "v", "beta")}
+    o, _ = module.chunk_delta_rule(**{**inputs, **leaves}, chunk_size=16)
     asked = []
 
     def recording(real):
@@ -230,7 +233,7 @@ def test_segments_look_tiles_up_for_the_whole_length():
             return real(*args, **shape)
         return lookup
 
-    with override("gated_delta_rule", "backward_segments", value=2), \
+    with override("delta_rule", "backward_segments", value=2), \
             mock.patch.object(module, "tiles", recording(module.tiles)), \
             mock.patch.object(module, "backward_tiles", recording(module.backward_tiles)):
         torch.autograd.grad(o, list(leaves.values()), torch.randn_like(o))
