@@ -11,7 +11,7 @@ compile-ahead check runs as for a CUDA tensor. ``--cpu-path`` keeps the interpre
 
 Prints microseconds per forward call and per forward+backward call; ``--items`` times each host
 helper a call makes, replayed alone with the arguments it got (the sum per helper per call);
-``--profile N`` prints cProfile's top N by cumulative time. Torch's CPU allocator is not CUDA's
+``--profile N`` prints cProfile's top N by cumulative time (``PROFILE_SORT=tottime``: by own time). Torch's CPU allocator is not CUDA's
 caching allocator: the allocation line is a CPU figure, and the default shape is (8, 64, 16, 16), which
 takes the host path of (8, 2048, 16, 16) (same tile buckets, state pass in one piece, the T path) with
 tensors small enough for the heap (past 32 MiB each allocation is an mmap whatever the threshold).
@@ -201,7 +201,7 @@ def main():
             for _ in range(args.calls):
                 step()
             profile.disable()
-            pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
+            pstats.Stats(profile).sort_stats(os.environ.get("PROFILE_SORT", "cumulative")).print_stats(args.profile)
 
 
 if __name__ == "__main__":
