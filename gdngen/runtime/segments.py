@@ -78,7 +78,7 @@ def segment_bounds(chunks: int, segments: int) -> list[int]:
 
 def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v, g, beta, *, initial_state,
                              states, chunk_size: int, cu_seqlens=None, A_log=None, dt_bias=None, kept_tmat=None,
-                             kept_values=None, norm=None, **options):
+                             kept_values=None, norm=None, gates=None, **options):
     """``backward(do, dht, q, k, v, g, beta, ...)`` (a generated ``<op>_backward``) over the whole
     call, in ``segments`` time segments when they apply (see the module text), else in one call.
 
@@ -91,6 +91,14 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     tuple (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias); in segments dq .. dbeta are full-size
     buffers each segment wrote its tokens of, dh0 is the first segment's, and dA_log / ddt_bias
     the float32 per-segment sums added first segment first, cast to A_log's / dt_bias' dtype.
+
+    ``gates`` (or None): ``gates(q, k, v, g, beta)`` returns the backward's token-major ``(g_cum, beta_act)``
+    for the whole call (a generated ``<op>_fwd_states(..., gates_only=True)``: the gates stage of a scalar
+    or no decay, token- and chunk-local, [B, T, HV] float32 each); with segments it runs once and each
+    segment's backward gets its rows as ``kept_gates`` instead of launching it again: 8 gates launches
+    and 16 allocations per call become 1 and 2 at (1, 32768, 32, 32), for 8 MiB held through the
+    backward. (The L2 norm's q and k, and a per-channel decay's [B, T, HV, K] cumsum, are the inputs'
+    size: those stay per segment.)
     """
     B, T = q.shape[0], q.shape[1]
     BT = chunk_size
@@ -116,6 +124,7 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     if beta is not None:
         out["dbeta"] = torch.empty_like(beta)
     bounds = segment_bounds(chunks, segments)
+    shared = gates(q, k, v, g, beta) if gates is not None else None
     carry = dht                         # end-state gradient of the segment being run
     sums = [None] * segments            # (dA_log, ddt_bias) per segment, float32
     for s in reversed(range(segments)):
@@ -133,7 +142,8 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         result = backward(cut(do), carry, cut(q), cut(k), cut(v), cut(g), cut(beta), initial_state=start,
                           states=states[c0:c1], kept_tmat=cut(kept_tmat), kept_values=cut(kept_values),
                           chunk_size=chunk_size, cu_seqlens=None, A_log=A_log, dt_bias=dt_bias,
-                          out={name: cut(x) for name, x in out.items()}, tile_T=T, **options)
+                          out={name: cut(x) for name, x in out.items()}, tile_T=T,
+                          **({} if shared is None else {"kept_gates": tuple(map(cut, shared))}), **options)
         carry = result[5]
         sums[s] = (result[6], result[7])
     dh0 = carry if initial_state is not None else None
