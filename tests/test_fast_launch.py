@@ -78,6 +78,8 @@ def test_key_covers_what_triton_specialises_on(probe):
     reference = key()
     assert key() == reference
     assert key(x=misaligned) != reference                        # pointer alignment
+    assert (_key(launcher, misaligned, a, 32, 0.5, True, None, H=4)  # which pointer is misaligned
+            != _key(launcher, a, misaligned, 32, 0.5, True, None, H=4))
     assert key(x=a.to(torch.bfloat16)) != reference              # dtype
     assert key(n=1) != reference                                 # int == 1 (a constexpr in Triton)
     assert key(n=33) != reference                                # int % 16

@@ -206,6 +206,10 @@ def _int_key(value: int) -> int:
     return 6
 
 
+# the launches' ints (lengths, strides, sizes) repeat from call to call: a C-level memo of _int_key
+_int_key_cached = functools.lru_cache(maxsize=4096)(_int_key)
+
+
 def _picker(indices):
     """A function taking the items at ``indices`` of a sequence, always as a tuple (itemgetter
     returns a bare item for one index)."""
@@ -226,11 +230,15 @@ _MISSING = object()
 class _CallShape:
     """How one call form (number of positional arguments, keyword names in order) binds to the
     kernel's parameters: computed once per form, then reused by every call of that form."""
-    __slots__ = ("tail", "runtime", "constexprs", "options", "layouts")
+    __slots__ = ("tail", "tail_defaults", "tail_values", "runtime", "constexprs", "options", "layouts")
 
     def __init__(self, tail, runtime, constexprs, options):
         self.tail = tail                # (name, default) of each parameter after the positionals;
                                         # default _MISSING: the call gives it by keyword
+        # the tail's values off the call's keywords laid over its defaults: one dict merge and one
+        # itemgetter (C) instead of a comprehension over the tail per launch
+        self.tail_defaults = {name: default for name, default in tail if default is not _MISSING}
+        self.tail_values = _picker([name for name, _ in tail])
         self.runtime = runtime          # picks the non-constexpr arguments off the bound ones
         self.constexprs = constexprs    # picks the constexpr arguments
         self.options = options          # picks the launch options (keywords naming no parameter)
@@ -354,7 +362,7 @@ class FastLaunch:
         """Every parameter's value in declaration order, as Triton's binder orders them."""
         if not shape.tail:
             return args
-        return (*args, *[kwargs[name] if default is _MISSING else default for name, default in shape.tail])
+        return args + shape.tail_values({**shape.tail_defaults, **kwargs})
 
     def _key(self, shape, bound, kwargs, device):
         """The cache key of one call, or None where an argument has a type it does not cover."""
@@ -370,10 +378,15 @@ class FastLaunch:
         options = shape.options(kwargs)
         ck = self._compilation_knobs
         # shape and layout stand for the call form and the argument types: one object each
+        # pointer alignment: one True where every pointer is 16-byte aligned (the usual case: one OR
+        # over the pointers), else the per-pointer flags
+        pointers = tuple(map(_data_ptr, tensors))
+        aligned = (True if not functools.reduce(operator.or_, pointers, 0) & 15 else
+                   tuple(map(operator.not_, map(operator.and_, pointers, _FIFTEENS))))
         return (shape, layout, device,
                 tuple(map(_dtype_of, tensors)),
-                tuple(map(operator.not_, map(operator.and_, map(_data_ptr, tensors), _FIFTEENS))),
-                tuple(map(_int_key, layout.ints(runtime))),
+                aligned,
+                tuple(map(_int_key_cached, layout.ints(runtime))),
                 constexprs, tuple(map(type, constexprs)), options, tuple(map(type, options)),
                 self._runtime_knobs.debug, ck.instrumentation_mode,
                 ck.fpsan_homomorphic_casts if self._keys_fpsan else None)
