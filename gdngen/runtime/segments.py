@@ -16,9 +16,13 @@ contiguous views, so the backward runs once per segment of whole chunks, last se
   segment, added in a fixed order and cast once.
 
 What the segments save is everything the backward allocates per token besides its outputs: the
-chunk-end state gradients (K V per chunk and value head, the size of the kept states), the
-recomputed float32 T, W (later dW), V_new and the per-value-head dq / dk. At (1, 32768, 32, 32),
-K = V = 128, bf16 those are ~1.8 GiB at once; in 8 segments ~0.22 GiB.
+chunk-end state gradients (K V per chunk and value head, the size of the kept states), W (later
+dW), the float32 T and V_new where the forward did not keep them, and the per-value-head dq / dk
+where the call has grouped value heads or the in-kernel L2 norm. At (1, 32768, 32, 32), K = V =
+128, bf16, with T and V_new kept and one value head per query head, that is the state gradients
+(512 MiB) and W (256 MiB): 768 MiB at once, 192 MiB in each of 4 segments (until stop 32 the
+estimate counted T, V_new and dq / dk too: 1.8 GiB, 8 segments of 96 MiB, each segment's Python and
+launches paid again: ~0.55 ms of host time per segment on the H200).
 """
 from __future__ import annotations
 
@@ -35,20 +39,24 @@ SEGMENT_BUDGET_BYTES = 256 << 20  # segment-local intermediates of one backward 
 
 
 def intermediate_bytes(*, B: int, T: int, HV: int, K: int, V: int, BT: int, itemsize: int = 2,
-                       delta: bool = True) -> int:
+                       delta: bool = True, kept_tmat: bool = False, kept_values: bool = False,
+                       per_head_qk: bool = True) -> int:
     """Bytes of the backward's token-sized intermediates besides its outputs (estimate).
 
-    Per token and value head: the chunk-end state gradients (K V per chunk), the per-value-head
-    dq and dk before the head-group sum / L2-norm backward, and for the delta rule the float32
-    T (BT per token), W (dW) and V_new."""
-    per = K * V * itemsize / BT + 2 * K * itemsize
+    Per token and value head: the chunk-end state gradients (K V per chunk); with ``per_head_qk``
+    the per-value-head dq and dk before the head-group sum / L2-norm backward (a call with as many
+    query as value heads and no in-kernel L2 norm writes them straight into the gradients); for the
+    delta rule W (dW), and the float32 T (BT per token) and V_new unless the forward kept them
+    (``kept_tmat``, ``kept_values``: the backward then reads the forward's)."""
+    per = K * V * itemsize / BT + (2 * K * itemsize if per_head_qk else 0)
     if delta:
-        per += BT * 4 + K * itemsize + V * itemsize
+        per += K * itemsize + (0 if kept_tmat else BT * 4) + (0 if kept_values else V * itemsize)
     return int(B * T * HV * per)
 
 
 def backward_segments(spec_name: str, *, B: int, T: int, HV: int, K: int, V: int, BT: int, varlen: bool,
-                      itemsize: int = 2, delta: bool = True) -> int:
+                      itemsize: int = 2, delta: bool = True, kept_tmat: bool = False, kept_values: bool = False,
+                      per_head_qk: bool = True) -> int:
     """How many time segments the backward of this call runs in (1: the whole call at once).
 
     1 for a batch (B > 1) or packed sequences (varlen); otherwise the smallest power of two
@@ -63,7 +71,8 @@ def backward_segments(spec_name: str, *, B: int, T: int, HV: int, K: int, V: int
     forced = _OVERRIDES.get((spec_name, "backward_segments"))
     if forced is not None:
         return max(1, min(int(forced["value"]), chunks))
-    need = intermediate_bytes(B=B, T=T, HV=HV, K=K, V=V, BT=BT, itemsize=itemsize, delta=delta)
+    need = intermediate_bytes(B=B, T=T, HV=HV, K=K, V=V, BT=BT, itemsize=itemsize, delta=delta,
+                              kept_tmat=kept_tmat, kept_values=kept_values, per_head_qk=per_head_qk)
     segments = 1
     while (segments < MAX_SEGMENTS and need > segments * SEGMENT_BUDGET_BYTES
            and chunks // (2 * segments) >= MIN_SEGMENT_CHUNKS):
