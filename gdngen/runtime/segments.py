@@ -104,9 +104,9 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     ``gates`` (or None): ``gates(q, k, v, g, beta)`` returns the backward's token-major ``(g_cum, beta_act)``
     for the whole call (a generated ``<op>_fwd_states(..., gates_only=True)``: the gates stage of a scalar
     or no decay, token- and chunk-local, [B, T, HV] float32 each); with segments it runs once and each
-    segment's backward gets its rows as ``kept_gates`` instead of launching it again: 8 gates launches
-    and 16 allocations per call become 1 and 2 at (1, 32768, 32, 32), for 8 MiB held through the
-    backward. (The L2 norm's q and k, and a per-channel decay's [B, T, HV, K] cumsum, are the inputs'
+    segment's backward gets its rows as ``kept_gates`` instead of launching it again: one gates launch
+    and two allocations per call instead of one per segment (4 segments at (1, 32768, 32, 32), 8 at
+    (1, 131072, 16, 32)), for 8 MiB held through the backward at 32k x 32 heads. (The L2 norm's q and k, and a per-channel decay's [B, T, HV, K] cumsum, are the inputs'
     size: those stay per segment.)
     """
     B, T = q.shape[0], q.shape[1]
