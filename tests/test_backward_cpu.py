@@ -410,10 +410,49 @@ def test_channel_backward_multi_tile_layouts(name):
 @pytest.mark.parametrize("groups", [2, 3, 4])
 def test_sum_head_groups_matches_a_float64_sum(groups):
     """dq / dk of grouped value heads: each query head's group summed (fixed order, one rounding
-    for two terms, float32 accumulation beyond), as the float64 sum rounded to the dtype."""
-    from gdngen.runtime.ops import sum_head_groups
+    for two terms, float32 accumulation beyond), as the float64 sum rounded to the dtype; through
+    the kernel (the interpreter made to round bf16 as the GPU does) and through torch."""
+    from gdngen.bf16_emulation import patch_bf16_interpreter
+    from gdngen.runtime.ops import sum_head_groups, sum_head_groups_torch
     x = torch.randn(2, 5, 3 * groups, 8, generator=torch.Generator().manual_seed(groups)).bfloat16()
-    got = sum_head_groups(x, 3)
     want = x.double().view(2, 5, 3, groups, 8).sum(3)
-    assert got.shape == (2, 5, 3, 8) and got.dtype == torch.bfloat16
-    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+    undo = patch_bf16_interpreter()
+    try:
+        by_kernel = sum_head_groups(x, 3)
+    finally:
+        undo()
+    for got in (by_kernel, sum_head_groups_torch(x, 3)):
+        assert got.shape == (2, 5, 3, 8) and got.dtype == torch.bfloat16
+        assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sum_head_groups_kernel_is_the_torch_sum_bit_for_bit(groups, dtype):
+    """The kernel (the backward's dq and dk) gives torch's strided sums bit for bit, into a given
+    output (a view of a larger buffer, as the time segments pass) and into a new tensor, with K not
+    a power of two and a partial last row block, and only reads its input; a strided output takes
+    the torch path; a wrong output or head count is refused by name."""
+    from gdngen.bf16_emulation import patch_bf16_interpreter
+    from gdngen.runtime.ops import sum_head_groups, sum_head_groups_torch
+    x = torch.randn(2, 37, 3 * groups, 40, generator=torch.Generator().manual_seed(7 * groups)).to(dtype)
+    want = sum_head_groups_torch(x.clone(), 3)
+    full = torch.full((1, 50, 3, 40), float("nan"), dtype=dtype)
+    given = x.clone()
+    undo = patch_bf16_interpreter()
+    try:
+        new = sum_head_groups(x, 3)
+        into = sum_head_groups(x[1:], 3, out=full[:, 3:40])
+        strided = sum_head_groups(x, 3, out=torch.empty(2, 37, 6, 40, dtype=dtype)[:, :, ::2])
+    finally:
+        undo()
+    assert torch.equal(new, want) and torch.equal(strided, want) and not strided.is_contiguous()
+    assert into.data_ptr() == full[:, 3:40].data_ptr() and torch.equal(into, want[1:])
+    assert full[:, :3].isnan().all() and full[:, 40:].isnan().all()      # nothing written outside out
+    assert torch.equal(x, given)
+    with pytest.raises(ValueError, match="out"):
+        sum_head_groups(x, 3, out=torch.empty(2, 37, 3, 41, dtype=dtype))
+    with pytest.raises(ValueError, match="H"):
+        sum_head_groups(x, 4 if groups == 3 else 5)
+
+
