@@ -413,7 +413,8 @@ def test_sum_head_groups_matches_a_float64_sum(groups):
     for two terms, float32 accumulation beyond), as the float64 sum rounded to the dtype; through
     the kernel (the interpreter made to round bf16 as the GPU does) and through torch."""
     from gdngen.bf16_emulation import patch_bf16_interpreter
-    from gdngen.runtime.ops import sum_head_groups, sum_head_groups_torch
+    from gdngen.runtime.head_groups import sum_head_groups
+    from gdngen.runtime.ops import sum_head_groups_torch
     x = torch.randn(2, 5, 3 * groups, 8, generator=torch.Generator().manual_seed(groups)).bfloat16()
     want = x.double().view(2, 5, 3, groups, 8).sum(3)
     undo = patch_bf16_interpreter()
@@ -434,7 +435,8 @@ def test_sum_head_groups_kernel_is_the_torch_sum_bit_for_bit(groups, dtype):
     a power of two and a partial last row block, and only reads its input; a strided output takes
     the torch path; a wrong output or head count is refused by name."""
     from gdngen.bf16_emulation import patch_bf16_interpreter
-    from gdngen.runtime.ops import sum_head_groups, sum_head_groups_torch
+    from gdngen.runtime.head_groups import sum_head_groups
+    from gdngen.runtime.ops import sum_head_groups_torch
     x = torch.randn(2, 37, 3 * groups, 40, generator=torch.Generator().manual_seed(7 * groups)).to(dtype)
     want = sum_head_groups_torch(x.clone(), 3)
     full = torch.full((1, 50, 3, 40), float("nan"), dtype=dtype)

@@ -9,11 +9,15 @@ import os
 import torch
 
 
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether Triton kernels run on ``x``: compiled on a CUDA tensor, or under TRITON_INTERPRET=1 on a CPU one."""
+    # (x.is_cuda first: x.device builds a device object, 4x the time)
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def check_backend(x: torch.Tensor) -> None:
     """Triton kernels run compiled on CUDA tensors, or under TRITON_INTERPRET=1 on CPU tensors."""
-    if x.is_cuda:                   # (x.device builds a device object: 4x the time)
-        return
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if runs_kernels(x):
         return
     raise ValueError(f"q: tensors on {x.device} need a CUDA device, or TRITON_INTERPRET=1 for CPU tensors "
                      "(set before triton is imported)")

@@ -8,7 +8,6 @@ travels as an empty tensor (:func:`absent`) and the Python side maps it back to 
 from __future__ import annotations
 
 import contextvars
-import os
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
@@ -86,34 +85,8 @@ def fake_grads(inputs: Sequence[Optional[torch.Tensor]], needs: Sequence[bool]) 
     return [torch.empty_like(x) if need else absent(like) for x, need in zip(inputs, needs)]
 
 
-def sum_head_groups(x: torch.Tensor, H: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[B, T, HV, K]`` per value head -> ``[B, T, H, K]``: each query/key head's HV // H value
-    heads summed in a fixed order (deterministic, no atomics), in float32, rounded once: bit for bit
-    :func:`sum_head_groups_torch`. ``out``: a ``[B, T, H, K]`` tensor (a view of a larger buffer
-    too) to write the result into, and return, instead of a new one.
-
-    A row-contiguous ``[B, T, HV, K]`` tensor is ``[B T H, G K]`` (G = HV // H), each output row the
-    sum of G contiguous K-wide pieces of one input row: one kernel streams whole rows, where torch's
-    elementwise adds of the strided ``[:, :, :, j]`` views ran at about half the memory bandwidth
-    (dq and dk at (4, 8192, 16, 32), bf16, H200: 361 -> 184 us, 402 MB each). Tensors the kernel
-    cannot take (not CUDA and no interpreter, not row-contiguous) go through :func:`sum_head_groups_torch`."""
-    B, T, HV, K = x.shape
-    if HV % H:
-        raise ValueError(f"H: the value heads ({HV}) must be a multiple of the query heads, got H={H}")
-    y = out if out is not None else x.new_empty(B, T, H, K)
-    if tuple(y.shape) != (B, T, H, K) or y.dtype != x.dtype:
-        raise ValueError(f"out: expected a {x.dtype} tensor of shape {(B, T, H, K)}, got {y.dtype} {tuple(y.shape)}")
-    if not (_kernel_takes(x) and x.is_contiguous() and y.is_contiguous()):
-        return sum_head_groups_torch(x, H, out=y)
-    rows, BM = B * T * H, 32
-    if rows > 0:
-        _head_group_sum()[(-(-rows // BM),)](x, y, rows, G=HV // H, K=K, BK=max(16, 1 << (K - 1).bit_length()),
-                                             BM=BM, num_warps=4)
-    return y
-
-
 def sum_head_groups_torch(x: torch.Tensor, H: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`sum_head_groups` by torch's elementwise adds of strided views, accumulated in float32
+    """``gdngen.runtime.head_groups.sum_head_groups`` by torch's elementwise adds of strided views, accumulated in float32
     beyond two terms (on the H200 the generic ``view(..., G, K).sum(3)`` reduction ran at about a
     third of the memory bandwidth: 0.27 ms per call at (4, 8192, 16, 32), bf16 - benchmarks/NOTES.md)."""
     B, T, HV, K = x.shape
@@ -128,18 +101,6 @@ def sum_head_groups_torch(x: torch.Tensor, H: int, out: Optional[torch.Tensor] =
     if out is None:
         return total.to(x.dtype)
     return out.copy_(total)
-
-
-def _kernel_takes(x: torch.Tensor) -> bool:
-    """Whether a Triton kernel runs on ``x``: a CUDA tensor, or a CPU one under TRITON_INTERPRET=1."""
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _head_group_sum():
-    """The head-group sum kernel (``gdngen.runtime.head_groups``), imported at first use: importing
-    triton here would make every ``gdngen.runtime.ops`` import pay for it."""
-    from gdngen.runtime.head_groups import head_group_sum
-    return head_group_sum
 
 
 # Whether the forward op keeps its chunk-start states for a backward. A call that nothing will
