@@ -165,6 +165,12 @@ def build_plan(spec: Spec) -> Plan:
     # programs. H200, K=V=128 bf16: the fused forward 1.167 -> 1.098 ms at (1,32768,32,32), below the
     # unfused 1.199 at every #10 shape (benchmarks/NOTES.md, stop 27; tiles.fused_output).
     exprs["fused_scores_from_wy"] = exprs["state_pieces"] and t.delta
+    # That fused pass also in Gluon (stages/state_gluon.py.j2, gdngen.runtime.gluon): one program per
+    # piece and value head with the whole V = 128 as two warpgroups' accumulators, which Triton 3.6
+    # spills. H200, bf16: the pass 654 -> 524 us at (1,32768,32,32), 628 -> 482 at (4,8192,16,32), bit
+    # for bit the Triton pass's (benchmarks/NOTES.md, stop 34). 16-bit intermediates only (T and the
+    # scores are 16-bit wgmma operands; split's pass also forms a second V_new product).
+    exprs["gluon_state"] = exprs["fused_scores_from_wy"] and spec.dtypes.intermediates in ("input", "float16")
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []
     names += ["gates"]

@@ -185,13 +185,23 @@ def fast(kernel):
     Returns ``kernel`` itself where the path cannot apply for the whole process: under
     TRITON_INTERPRET=1 (the CPU interpreter), for anything but a plain ``@triton.jit`` function
     (an autotuner picks its own options per call), and on a Triton version whose launch was not
-    verified (``VERIFIED_TRITON``)."""
+    verified (``VERIFIED_TRITON``). A ``gluon.jit`` kernel launches through the same compiled
+    launcher and takes the path too."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel
     from triton.runtime.jit import JITFunction
-    if type(kernel) is not JITFunction or triton_version() not in VERIFIED_TRITON:
+    if type(kernel) not in (JITFunction, _gluon_jit_type()) or triton_version() not in VERIFIED_TRITON:
         return kernel
     return FastLaunch(kernel)
+
+
+def _gluon_jit_type():
+    """Gluon's JIT function class, or None on a Triton without Gluon."""
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:
+        return None
+    return GluonJITFunction
 
 
 def _int_key(value: int) -> int:

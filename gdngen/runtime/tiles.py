@@ -154,7 +154,7 @@ MIN_PIECE_CHUNKS = 32
 
 
 def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, value_tile,
-                 engage_below: float = 1.0) -> int:
+                 engage_below: float = 1.0, per_sm: int = 2) -> int:
     """How many pieces the state pass cuts each of ``N`` padded sequences into (1: none).
 
     The pass runs one program per sequence, value head and value tile along the whole sequence: with
@@ -163,12 +163,14 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
     a walk over the chunks beside it that stops once their transitions' norm is at most
     :func:`window_log_tolerance` (stages/state.py.j2, stages/backward_state.py.j2). ``value_tile(n)``:
     the pass's value tile BV for a launch over n sequences (tiles depend on it). The count is a power
-    of two, the largest whose programs fit two per SM, and no piece is shorter than
+    of two, the largest whose programs fit ``per_sm`` per SM, and no piece is shorter than
     :data:`MIN_PIECE_CHUNKS` chunks (H200, K=V=128, bf16: 3 and 5 pieces ran slower than 2 and 4 at
     (1,32768,32,32); 4 and 8 were best at 32 x 64 and 32 x 8 programs - benchmarks/NOTES.md, stop 25).
     ``engage_below``: cut only where the unsplit pass has fewer programs than this fraction of the
     SMs (the reverse pass passes 0.5: at (1,32768,32,32) its 4096-token time segments have 128
-    programs, and 2 pieces each made it slower, 836 -> 955 us). ``override(spec, "state_pieces",
+    programs, and 2 pieces each made it slower, 836 -> 955 us). ``per_sm``: the programs an SM holds
+    (2; the Gluon pass's shared memory allows 1: 4 pieces, not 8, at (1,32768,32,32), where 2 and 8
+    ran 1.33 and 0.885 ms against 0.887 - stop 34). ``override(spec, "state_pieces",
     value=n)`` forces n (tests, the tuner); on CPU the default is 1.
     """
     forced = _OVERRIDES.get((spec_name, "state_pieces"))
@@ -184,9 +186,9 @@ def state_pieces(spec_name: str, *, N: int, HV: int, V: int, T: int, BT: int, va
 
     if programs(1) >= sms * engage_below:
         return 1
-    most = min(2 * sms // (N * HV), -(-T // BT) // MIN_PIECE_CHUNKS)
+    most = min(per_sm * sms // (N * HV), -(-T // BT) // MIN_PIECE_CHUNKS)
     pieces = 1 << (most.bit_length() - 1) if most > 1 else 1
-    while pieces > 1 and programs(pieces) > 2 * sms:
+    while pieces > 1 and programs(pieces) > per_sm * sms:
         pieces //= 2
     return pieces
 

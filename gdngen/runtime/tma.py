@@ -21,7 +21,8 @@ def _scratch(size: int, alignment: int, stream: Optional[int]):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator() -> None:
+def ensure_scratch_allocator() -> None:
+    """Set the scratch allocator on-device descriptors need, unless the caller set one (cheap: one read)."""
     import triton
     try:
         from triton.runtime import _allocation
@@ -77,5 +78,5 @@ def tma_config(config: dict, *tensors, sizes=()) -> dict:
     if not tma_usable(*tensors, sizes=sizes):
         return dict(config, TMA=False)
     if tensors[0] is not None and tensors[0].device.type == "cuda":
-        _ensure_allocator()
+        ensure_scratch_allocator()
     return config

@@ -1,0 +1,84 @@
+"""Gluon, Triton's explicit-layout dialect, for the generated kernels that need a layout Triton's
+compiler does not pick: what a generated module imports from it, and when such a kernel may run.
+
+The first is the delta rule's fused forward state pass (stages/state_gluon.py.j2): one program per
+(piece, value head) holding the whole [K, V] state as two warpgroups' wgmma accumulators, its tiles
+arriving by TMA. In Triton 3.6 that layout (BV = V = 128, 8 warps) spills; written out in Gluon it does
+not (benchmarks/NOTES.md, stop 34).
+
+On a Triton without Gluon (or without its Hopper module) the names below are None and
+:func:`state_pass_usable` answers False, so the Triton pass serves every call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gdngen.runtime.tiles import _OVERRIDES
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    AVAILABLE = True
+except ImportError:                 # a Triton without Gluon's Hopper module
+    import triton.language as gl    # for the kernels' constexpr annotations only: nothing is compiled
+    gluon = fence_async_shared = mbarrier = tma = warpgroup_mma = None
+    AVAILABLE = False
+
+
+def jit(fn):
+    """``gluon.jit`` where Gluon exists; else the plain function (never launched: see :func:`state_pass_usable`)."""
+    return gluon.jit(fn) if AVAILABLE else fn
+
+
+# The Gluon pass's shapes: K = V = 128 (two warpgroups of 64 value rows, 128-byte swizzled tiles),
+# 64-token chunks, whole chunks only (its TMA tiles are not masked).
+STATE_PASS_K = STATE_PASS_V = 128
+STATE_PASS_BT = 64
+
+_HOPPER: dict = {}                  # CUDA device index -> compute capability 9.x (wgmma), read once
+
+
+def _is_hopper(x: torch.Tensor) -> bool:
+    index = x.get_device()
+    hopper = _HOPPER.get(index)
+    if hopper is None:
+        hopper = _HOPPER[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return hopper
+
+
+def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int,
+                        BT: int, T: int) -> Optional[str]:
+    """Why a fused forward state pass over these dense inputs cannot run the Gluon kernel, or None.
+
+    It needs Gluon, a CUDA tensor on a Hopper GPU (wgmma is sm_90's; the CPU interpreter does not run
+    Gluon), 16-bit inputs of one dtype, K = V = 128, 64-token chunks, T a multiple of the chunk and
+    16-byte aligned rows (TMA). ``override(spec, "gluon_state", value=False)`` keeps the Triton pass
+    (tests compare the two); ``value=True`` does not force it past these conditions."""
+    forced = _OVERRIDES.get((spec_name, "gluon_state"))
+    if forced is not None and not forced["value"]:
+        return "turned off (override)"
+    if not AVAILABLE:
+        return "this Triton has no Gluon Hopper module"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"inputs {q.dtype}, {k.dtype}, {v.dtype}: one 16-bit dtype only"
+    if K != STATE_PASS_K or V != STATE_PASS_V:
+        return f"K={K}, V={V}: {STATE_PASS_K} and {STATE_PASS_V} only"
+    if BT != STATE_PASS_BT or T % BT:
+        return f"chunk {BT}, T={T}: whole {STATE_PASS_BT}-token chunks only"
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
+        return "a base pointer not 16-byte aligned (TMA)"
+    if not q.is_cuda:
+        return f"tensors on {q.device}: a Hopper GPU only"
+    if not _is_hopper(q):
+        return "not a Hopper GPU (wgmma)"
+    return None
+
+
+def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int,
+                      BT: int, T: int) -> bool:
+    """Whether a fused forward state pass over these dense inputs runs the Gluon kernel (see
+    :func:`state_pass_unusable`)."""
+    return state_pass_unusable(spec_name, q, k, v, K=K, V=V, BT=BT, T=T) is None

@@ -1,0 +1,76 @@
+"""GPU tier: the fused forward state pass in Gluon (stages/state_gluon.py.j2) against the Triton pass
+over the same pieces (bit for bit, NaN-poisoned buffers) and against float64 (run on the H200)."""
+import importlib
+
+import pytest
+import torch
+
+from gdngen.runtime import override
+from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse
+from gdngen.spec import load_spec
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.float16: 5e-3, torch.bfloat16: 5e-3}
+NAME = "gated_delta_rule"
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The module, with its Gluon launches counted (no compile-ahead: its dry run would count too)."""
+    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
+    module = importlib.import_module(f"generated.{NAME}")
+    launches = []
+    original = module._state_output_gluon
+
+    def counting(*args, **kwargs):
+        launches.append(args[-6])             # N: the sequences or pieces it ran
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, "_state_output_gluon", counting)
+    return module, launches
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, h0, pieces", [
+    (dict(B=1, T=8192, H=2, HV=4), True, 4),     # one long sequence in pieces, an initial state
+    (dict(B=3, T=2048, H=4, HV=8), True, 1),     # dense sequences, no pieces
+    (dict(B=2, T=4096, H=8, HV=8), False, 2),    # pieces forced, no initial state
+])
+def test_gluon_pass_is_the_triton_pass(counted, dtype, shape, h0, pieces):
+    module, launches = counted
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=21, K=128, V=128, h0=h0, **shape)
+    outputs = {}
+    for gluon in (True, False):
+        with override(NAME, "gluon_state", value=gluon), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            outputs[gluon] = call(module, spec, inputs, output_final_state=True)
+    assert launches == [pieces * shape["B"]]  # the Gluon pass ran once, over every piece; the Triton one without it
+    (o, ht), (o_triton, ht_triton) = outputs[True], outputs[False]
+    assert not o.isnan().any() and not ht.isnan().any()
+    assert torch.equal(o, o_triton) and torch.equal(ht, ht_triton)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= TOL[dtype] and rel_rmse(ht, ht_ref) <= TOL[dtype]
+
+
+def test_default_pieces_and_no_final_state(counted):
+    """The default piece count (one program per SM) at a few-head long sequence, no final state asked."""
+    module, launches = counted
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=22, B=1, T=16384, H=2, HV=8, K=128, V=128,
+                         h0=False)
+    with poisoned_memory():
+        o, ht = call(module, spec, inputs, output_final_state=False)
+    assert ht is None and launches == [8]    # 132 SMs / 8 heads -> 16, capped by 32-chunk pieces: 8
+    o_ref, _ = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16]
+
+
+def test_shapes_it_does_not_take_run_the_triton_pass(counted):
+    module, launches = counted
+    spec = load_spec(f"specs/{NAME}.yaml")
+    for shape in (dict(T=4000, K=128, V=128), dict(T=4096, K=64, V=128)):
+        inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=23, B=1, H=2, HV=4, **shape)
+        o, ht = call(module, spec, inputs, output_final_state=True)
+        o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+        assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(ht, ht_ref) <= TOL[torch.bfloat16]
+    assert launches == []
