@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -66,12 +67,19 @@ def main():
     parser.add_argument("--profile", action="store_true", help="per-kernel device time and host time too")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-precision", action="store_true")
+    parser.add_argument("--module-file", default=None,
+                        help="time this rendering of the module instead (an earlier template's, for A/B rows)")
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs
     from gdngen.runtime import override
     from gdngen.runtime.tiles import state_pieces
     from gdngen.selfcheck import poisoned_memory
-    module = importlib.import_module(f"generated.{NAME}")
+    if args.module_file:
+        module_spec = importlib.util.spec_from_file_location(f"{NAME}_variant", args.module_file)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(f"generated.{NAME}")
     fn = module.chunk_gated_delta_rule
     launches = []
     original = module._state_output_gluon
@@ -83,6 +91,7 @@ def main():
     out = open(args.out, "a") if args.out else None
 
     def record(row):
+        row = dict(row, module=args.module_file or f"generated/{NAME}.py")
         print(json.dumps(row), flush=True)
         if out:
             out.write(json.dumps(row) + "\n")
