@@ -20,11 +20,12 @@ from gdngen.runtime.tiles import _OVERRIDES
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     AVAILABLE = True
 except ImportError:                 # a Triton without Gluon's Hopper module
     import triton.language as gl    # for the kernels' constexpr annotations only: nothing is compiled
-    gluon = fence_async_shared = mbarrier = tma = warpgroup_mma = None
+    gluon = async_copy = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
     AVAILABLE = False
 
 
