@@ -34,19 +34,9 @@ NAME = "gated_delta_rule"
 
 
 def kernel_times(run, reps=20):
-    """Per-kernel device time (us per call, torch.profiler) of ``run``."""
-    from torch.profiler import ProfilerActivity, profile
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            run()
-        torch.cuda.synchronize()
-    totals = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / reps
-    return {name[:40]: round(us, 1) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+    """Per-kernel device time (us per call, torch.profiler) of ``run``: tuner_timing_check's, rounded."""
+    from benchmarks.tuner_timing_check import kernel_times as profiled
+    return {name[:40]: round(us, 1) for name, us in profiled(run, reps).items()}
 
 
 def host_ms(run, calls=30):
