@@ -90,6 +90,25 @@ def test_float32_intermediates_cut_the_bf16_error(bf16_interpreter, spec_variant
     assert o_32 < 0.95 * o_in and ht_32 <= ht_in * 1.001, errors
 
 
+def test_float32_intermediates_fused_output_keeps_float32_values(bf16_interpreter, spec_variant):
+    """The no-grad forward's fused output (scores from the wy stage, the output formed in the state pass)
+    under dtypes.intermediates: float32 multiplies float32 scores and V_new, as the output stage does: it
+    rounded both to bf16 until stop 35 (o error 2.89e-3 fused against 1.75e-3 unfused, here and on the H200)."""
+    from gdngen.runtime import override
+    spec, precise = spec_variant("gated_delta_rule", "f32_intermediates", intermediates="float32")
+    base_spec, base = spec_variant("gated_delta_rule", "input", intermediates="input")     # bf16 intermediates
+    errors = {}
+    for label, (s, module) in {"input": (base_spec, base), "float32": (spec, precise)}.items():
+        inputs = make_inputs(s, dtype=torch.bfloat16, device="cpu", seed=5, B=1, T=256, H=2, HV=2, K=64, V=64)
+        o_ref, _ = reference_outputs(s, inputs, output_final_state=True)
+        for fused in (True, False):
+            with override(s.name, "fused_output", value=fused):
+                o, _ = call(module, s, inputs, output_final_state=True, chunk_size=64)
+            errors[label, fused] = rel_rmse(o, o_ref)
+    assert errors["float32", True] <= 1.02 * errors["float32", False], errors
+    assert errors["float32", True] < 0.6 * errors["input", True], errors
+
+
 def test_intermediates_default_keeps_earlier_spec_hashes():
     """A spec at the default policy ("input", written or not) hashes as it did before the key existed
     (GDN's 21f8afa1ca95e115, which its shipped entries carried until stop 31); the shipped GDN entries

@@ -92,3 +92,12 @@ def test_fast_launch_takes_gluon_kernels(monkeypatch):
     assert isinstance(launch.fast(kernel), launch.FastLaunch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert launch.fast(kernel) is kernel
+
+
+def test_score_dtype_constexpr():
+    """The pass's scores dtype goes in as a Gluon dtype; anything but a 16-bit float is refused by name."""
+    if not gluon.AVAILABLE:
+        pytest.skip("no Gluon")
+    assert gluon.gl_dtype(torch.float16) == gluon.gl.float16 and gluon.gl_dtype(torch.bfloat16) == gluon.gl.bfloat16
+    with pytest.raises(TypeError, match="score_dtype"):
+        gluon.gl_dtype(torch.float32)

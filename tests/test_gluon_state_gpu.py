@@ -1,6 +1,7 @@
 """GPU tier: the fused forward state pass in Gluon (stages/state_gluon.py.j2) against the Triton pass
 over the same pieces (bit for bit, NaN-poisoned buffers) and against float64 (run on the H200)."""
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def counted(monkeypatch):
     original = module._state_output_gluon
 
     def counting(*args, **kwargs):
-        launches.append(args[-6])             # N: the sequences or pieces it ran
+        launches.append(inspect.signature(original).bind(*args, **kwargs).arguments["N"])   # the sequences or pieces it ran
         return original(*args, **kwargs)
     monkeypatch.setattr(module, "_state_output_gluon", counting)
     return module, launches

@@ -29,6 +29,15 @@ except ImportError:                 # a Triton without Gluon's Hopper module
     AVAILABLE = False
 
 
+def gl_dtype(dtype: torch.dtype):
+    """The Gluon dtype of a 16-bit torch dtype, for a kernel's dtype constexpr (the fused pass's scores)."""
+    if dtype == torch.float16:
+        return gl.float16
+    if dtype == torch.bfloat16:
+        return gl.bfloat16
+    raise TypeError(f"score_dtype: float16 or bfloat16, not {dtype}")
+
+
 def jit(fn):
     """``gluon.jit`` where Gluon exists; else the plain function (never launched: see :func:`state_pass_usable`)."""
     return gluon.jit(fn) if AVAILABLE else fn
