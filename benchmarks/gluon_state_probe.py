@@ -1,12 +1,14 @@
 """GDN's fused forward state pass in Gluon (stages/state_gluon.py.j2) beside the Triton template's
 (CUDA sm_90 only; stop 34).
 
-    python benchmarks/gluon_state_probe.py [--cases "1,32768,32,32 ..."] [--profile] [--out rows.jsonl]
+    python benchmarks/gluon_state_probe.py [--cases "1,32768,32,32 ..."] [--profile] [--training] [--out rows.jsonl]
 
 Per case: a check (NaN-poisoned buffers: o and the final state of the Gluon pass against the Triton
 pass over the same pieces, bit for bit), then the no-grad forward's time both ways (``do_bench``
 medians, two rounds), and with ``--profile`` each kernel's device time (torch.profiler) and the host's
-time per call. Last, o's error against float64 at (1, 4096, 16, 32) both ways.
+time per call. Last, o's error against float64 at (1, 4096, 16, 32) both ways. ``--training`` times
+forward + backward instead, with ``override(spec, "gluon_training", value=False)`` against the default
+(stop 35: the training forward's Gluon pass writes o beside h and V_new).
 
 Stop 34's first version carried its own copy of the kernel and swapped it in for the module's fused
 launch (benchmarks/results/2026-12-02-h200-stop34-call{1,2}-*); the kernel now lives in the template and
@@ -58,6 +60,8 @@ def main():
     parser.add_argument("--profile", action="store_true", help="per-kernel device time and host time too")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-precision", action="store_true")
+    parser.add_argument("--training", action="store_true",
+                        help="time forward + backward, the training forward through the Gluon pass or not")
     parser.add_argument("--module-file", default=None,
                         help="time this rendering of the module instead (an earlier template's, for A/B rows)")
     args = parser.parse_args()
@@ -96,9 +100,15 @@ def main():
             with torch.no_grad():
                 return fn(**x, **kw)
 
+    def train_step(x, gluon):
+        """One forward + backward with the Gluon pass in the training forward or not (gluon_training)."""
+        with override(NAME, "gluon_training", value=gluon), torch.enable_grad():    # (the profiler's caller may not)
+            o, ht = fn(**x, output_final_state=True)
+            torch.autograd.backward((o, ht), (torch.ones_like(o), torch.ones_like(ht)))
+
     def timed(x, gluon):
         def run():
-            return forward(x, gluon)
+            return train_step(x, gluon) if args.training else forward(x, gluon)
         run()
         torch.cuda.synchronize()
         return triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
@@ -117,13 +127,20 @@ def main():
                     o_equal=torch.equal(o, o_triton), state_equal=torch.equal(ht, ht_triton),
                     o_nan=bool(o.isnan().any()), o_max_abs=(o.float() - o_triton.float()).abs().max().item()))
         del o, ht, o_triton, ht_triton
+        mode = "fwd+bwd" if args.training else "fwd"
+        if args.training:
+            x = {n: (t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                 for n, t in x.items()}
         for round_ in range(2):
-            for label, gluon in (("triton fwd", False), ("gluon fwd", True)):
-                record(dict(case, variant=label, round=round_, ms=timed(x, gluon)))
+            for label, gluon in ((f"triton {mode}", False), (f"gluon {mode}", True)):
+                torch.cuda.reset_peak_memory_stats()
+                ms = timed(x, gluon)
+                record(dict(case, variant=label, round=round_, ms=ms,
+                            peak_mib=round(torch.cuda.max_memory_allocated() / 2**20)))
         if args.profile:
-            for label, gluon in (("triton fwd", False), ("gluon fwd", True)):
+            for label, gluon in ((f"triton {mode}", False), (f"gluon {mode}", True)):
                 def run():
-                    return forward(x, gluon)
+                    return train_step(x, gluon) if args.training else forward(x, gluon)
                 record(dict(case, variant=label, kernels_us=kernel_times(run), host_ms=host_ms(run)))
     if not args.no_precision:
         from gdngen.reference import run as reference_run

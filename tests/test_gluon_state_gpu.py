@@ -75,3 +75,41 @@ def test_shapes_it_does_not_take_run_the_triton_pass(counted):
         o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
         assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(ht, ht_ref) <= TOL[torch.bfloat16]
     assert launches == []
+
+
+def _forward_backward(module, spec, inputs, seed):
+    """o, the final state and every floating input's gradient of one training call (fixed do, dht)."""
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen)
+    grads = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
+    return o.detach(), ht.detach(), dict(zip(leaves, grads))
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces
+    (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
+])
+def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
+    """A forward for a backward: the Gluon pass writes o beside h and V_new, which are the Triton pass's
+    bit for bit (so every gradient is the Triton stages', dh0 included); o against the output stage's
+    and float64."""
+    module, launches = counted
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=25, K=128, V=128, h0=True, **shape)
+    results = {}
+    for gluon in (True, False):
+        with override(NAME, "gluon_training", value=gluon), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            results[gluon] = _forward_backward(module, spec, inputs, seed=26)
+    assert launches == [pieces * shape["B"]]     # the training forward ran the Gluon pass once
+    (o, ht, grads), (o_triton, ht_triton, grads_triton) = results[True], results[False]
+    assert grads.keys() == grads_triton.keys() and "initial_state" in grads
+    for name in grads:
+        assert not grads[name].isnan().any() and torch.equal(grads[name], grads_triton[name]), name
+    assert torch.equal(ht, ht_triton) and not o.isnan().any()
+    o_ref, _ = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(o, o_triton) <= 1e-3

@@ -87,6 +87,15 @@ def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: tor
     return None
 
 
+def gluon_training(spec_name: str) -> bool:
+    """Whether a forward that keeps states for a backward runs the Gluon pass (where it is usable) to
+    write the output beside the chunk-start states and V_new, instead of the Triton state pass and the
+    output stage. ``override(spec, "gluon_training", value=False)`` keeps the Triton stages (tests compare
+    the two)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_training"))
+    return True if forced is None else bool(forced["value"])
+
+
 def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int,
                       BT: int, T: int) -> bool:
     """Whether a fused forward state pass over these dense inputs runs the Gluon kernel (see
