@@ -169,8 +169,10 @@ def build_plan(spec: Spec) -> Plan:
     # piece and value head with the whole V = 128 as two warpgroups' accumulators, which Triton 3.6
     # spills. H200, bf16: the pass 654 -> 524 us at (1,32768,32,32), 628 -> 482 at (4,8192,16,32), bit
     # for bit the Triton pass's (benchmarks/NOTES.md, stop 34). 16-bit intermediates only (T and the
-    # scores are 16-bit wgmma operands; split's pass also forms a second V_new product).
-    exprs["gluon_state"] = exprs["fused_scores_from_wy"] and spec.dtypes.intermediates in ("input", "float16")
+    # scores are 16-bit wgmma operands; split's pass also forms a second V_new product), and chunk states
+    # in the inputs' dtype (the pass multiplies S rounded to it, and writes it so for a backward).
+    exprs["gluon_state"] = (exprs["fused_scores_from_wy"] and spec.dtypes.intermediates in ("input", "float16")
+                            and spec.dtypes.chunk_states == "input")
     names = (["l2norm"] if spec.qk_l2norm else [])
     names += ["random_features"] if "random_features" in spec.feature_maps else []
     names += ["gates"]

@@ -32,6 +32,9 @@ def test_16_bit_intermediates_only(spec_variant):
     assert not build_plan(spec).exprs["gluon_state"] and not hasattr(module, "_state_output_gluon")
     spec, module = spec_variant("gated_delta_rule", "input_gluon", intermediates="input")
     assert build_plan(spec).exprs["gluon_state"] and hasattr(module, "_state_output_gluon")
+    # float32 chunk states: the Triton pass multiplies and keeps S in float32; the Gluon pass rounds it
+    spec, module = spec_variant("gated_delta_rule", "f32_states_gluon", chunk_states="float32")
+    assert not build_plan(spec).exprs["gluon_state"] and not hasattr(module, "_state_output_gluon")
 
 
 def _qkv(dtype=torch.bfloat16, K=128, V=128, T=128):

@@ -4,7 +4,9 @@ compiler does not pick: what a generated module imports from it, and when such a
 The first is the delta rule's fused forward state pass (stages/state_gluon.py.j2): one program per
 (piece, value head) holding the whole [K, V] state as two warpgroups' wgmma accumulators, its tiles
 arriving by TMA. In Triton 3.6 that layout (BV = V = 128, 8 warps) spills; written out in Gluon it does
-not (benchmarks/NOTES.md, stop 34).
+not (benchmarks/NOTES.md, stop 34). Since stop 35 it forms the output's scores from its own q and k tiles,
+and a forward for a backward runs it too, writing the chunk-start states and V_new beside the output
+(:func:`gluon_training`).
 
 On a Triton without Gluon (or without its Hopper module) the names below are None and
 :func:`state_pass_usable` answers False, so the Triton pass serves every call.

@@ -206,7 +206,7 @@ def fused_output(spec_name: str, *, B: int, T: int, HV: int, scores_loaded: bool
     ``override(spec, "fused_output", value=...)`` forces it.
 
     ``scores_loaded`` (the delta rule: plan's fused_scores_from_wy): the wy stage writes the output's
-    scores and the pass loads them; then always. H200, K=V=128 bf16, forward ms unfused -> fused
+    scores and the Triton pass loads them (the Gluon pass forms them from its own tiles); then always. H200, K=V=128 bf16, forward ms unfused -> fused
     (state_output tiles BV=32, 4 warps, 2 stages): (1,32768,32,32) 1.199 -> 1.098, (4,8192,16,32)
     1.079 -> 1.015, (1,131072,16,32) 4.888 -> 4.147, (8,2048,16,16) 0.308 -> 0.285, (1,32768,2,8)
     0.362 -> 0.287 (benchmarks/fused_probe.py, stop 27). Otherwise the pass forms Q K^T and its
