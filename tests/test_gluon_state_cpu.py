@@ -104,3 +104,15 @@ def test_score_dtype_constexpr():
     assert gluon.gl_dtype(torch.float16) == gluon.gl.float16 and gluon.gl_dtype(torch.bfloat16) == gluon.gl.bfloat16
     with pytest.raises(TypeError, match="score_dtype"):
         gluon.gl_dtype(torch.float32)
+
+
+def test_reverse_pass_in_gluon_is_off_by_default(spec_variant):
+    """The backward's Gluon reverse pass is rendered for the bundled GDN spec and runs only when asked (it has
+    not run on a GPU yet); asked, it still needs what the forward's pass needs (a CPU tensor never qualifies)."""
+    module = importlib.import_module("generated.gated_delta_rule")
+    assert callable(module._state_bwd_gluon)
+    assert not hasattr(importlib.import_module("generated.delta_rule"), "_state_bwd_gluon")
+    x = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    assert not gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)
+    with override("gated_delta_rule", "gluon_state_bwd", value=True):
+        assert not gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)   # not CUDA

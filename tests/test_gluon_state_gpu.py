@@ -113,3 +113,39 @@ def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
     assert torch.equal(ht, ht_triton) and not o.isnan().any()
     o_ref, _ = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(o, o_triton) <= 1e-3
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (the Triton walk, then the Gluon pass)
+    (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
+])
+def test_reverse_pass_in_gluon(monkeypatch, shape, pieces):
+    """The backward's reverse state pass in Gluon (off by default: override gluon_state_bwd) against the Triton
+    pass: every gradient within float32 rounding of the accumulator's scale (dh rounded to bf16 after), and
+    against float64 within the backward tier's bars."""
+    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
+    module = importlib.import_module(f"generated.{NAME}")
+    launches = []
+    original = module._state_bwd_gluon
+
+    def counting(*args, **kwargs):
+        launches.append(inspect.signature(original).bind(*args, **kwargs).arguments["N"])
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, "_state_bwd_gluon", counting)
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, K=128, V=128, h0=True, **shape)
+    results = {}
+    for gluon in (True, False):
+        with override(NAME, "gluon_state_bwd", value=gluon), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            results[gluon] = _forward_backward(module, spec, inputs, seed=28)
+    assert launches == [pieces * shape["B"]]
+    (o, ht, grads), (_, _, grads_triton) = results[True], results[False]
+    for name in grads:
+        assert not grads[name].isnan().any(), name
+        assert rel_rmse(grads[name], grads_triton[name]) <= 2e-3, (name, rel_rmse(grads[name], grads_triton[name]))
+    from gdngen.selfcheck import gradient_errors
+    with override(NAME, "gluon_state_bwd", value=True), override(NAME, "state_pieces", value=pieces):
+        errors = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=29, K=128, V=128, **shape)
+    bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
+    assert all(errors[n] <= bars[n] for n in bars if n in errors), errors

@@ -103,3 +103,15 @@ def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch
     """Whether a fused forward state pass over these dense inputs runs the Gluon kernel (see
     :func:`state_pass_unusable`)."""
     return state_pass_unusable(spec_name, q, k, v, K=K, V=V, BT=BT, T=T) is None
+
+
+def state_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, *, K: int, V: int,
+                     BT: int, T: int) -> bool:
+    """Whether the backward's reverse state pass runs the Gluon kernel (stages/backward_state_gluon.py.j2)
+    over these dense inputs: only when asked, ``override(spec, "gluon_state_bwd", value=True)``, until it
+    has been run and timed on a GPU, and then under :func:`state_pass_unusable`'s conditions (``do`` in
+    the values' place)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_state_bwd"))
+    if forced is None or not forced["value"]:
+        return False
+    return state_pass_unusable(spec_name, q, k, do, K=K, V=V, BT=BT, T=T) is None
