@@ -15,19 +15,25 @@ TOL = {torch.float16: 5e-3, torch.bfloat16: 5e-3}
 NAME = "gated_delta_rule"
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """The module, with its Gluon launches counted (no compile-ahead: its dry run would count too)."""
+def _counting(monkeypatch, launcher):
+    """The module, with the launches of its Gluon ``launcher`` counted by the sequences or pieces each ran
+    (no compile-ahead: its dry run would count too)."""
     monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
     module = importlib.import_module(f"generated.{NAME}")
     launches = []
-    original = module._state_output_gluon
+    original = getattr(module, launcher)
 
     def counting(*args, **kwargs):
-        launches.append(inspect.signature(original).bind(*args, **kwargs).arguments["N"])   # the sequences or pieces it ran
+        launches.append(inspect.signature(original).bind(*args, **kwargs).arguments["N"])
         return original(*args, **kwargs)
-    monkeypatch.setattr(module, "_state_output_gluon", counting)
+    monkeypatch.setattr(module, launcher, counting)
     return module, launches
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The module, with the forward Gluon pass's launches counted."""
+    return _counting(monkeypatch, "_state_output_gluon")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -123,15 +129,7 @@ def test_reverse_pass_in_gluon(monkeypatch, shape, pieces):
     """The backward's reverse state pass in Gluon (off by default: override gluon_state_bwd) against the Triton
     pass: every gradient within float32 rounding of the accumulator's scale (dh rounded to bf16 after), and
     against float64 within the backward tier's bars."""
-    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
-    module = importlib.import_module(f"generated.{NAME}")
-    launches = []
-    original = module._state_bwd_gluon
-
-    def counting(*args, **kwargs):
-        launches.append(inspect.signature(original).bind(*args, **kwargs).arguments["N"])
-        return original(*args, **kwargs)
-    monkeypatch.setattr(module, "_state_bwd_gluon", counting)
+    module, launches = _counting(monkeypatch, "_state_bwd_gluon")
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, K=128, V=128, h0=True, **shape)
     results = {}
