@@ -62,6 +62,9 @@ def main():
     parser.add_argument("--no-precision", action="store_true")
     parser.add_argument("--training", action="store_true",
                         help="time forward + backward, the training forward through the Gluon pass or not")
+    parser.add_argument("--switch", default="gluon_training", choices=("gluon_training", "gluon_state_bwd"),
+                        help="with --training: the switch timed on and off (gluon_state_bwd: the backward's reverse "
+                             "state pass in Gluon)")
     parser.add_argument("--module-file", default=None,
                         help="time this rendering of the module instead (an earlier template's, for A/B rows)")
     args = parser.parse_args()
@@ -101,8 +104,8 @@ def main():
                 return fn(**x, **kw)
 
     def train_step(x, gluon):
-        """One forward + backward with the Gluon pass in the training forward or not (gluon_training)."""
-        with override(NAME, "gluon_training", value=gluon), torch.enable_grad():    # (the profiler's caller may not)
+        """One forward + backward with ``args.switch`` (a Gluon pass in the training step) on or off."""
+        with override(NAME, args.switch, value=gluon), torch.enable_grad():    # (the profiler's caller may not)
             o, ht = fn(**x, output_final_state=True)
             torch.autograd.backward((o, ht), (torch.ones_like(o), torch.ones_like(ht)))
 
@@ -127,7 +130,7 @@ def main():
                     o_equal=torch.equal(o, o_triton), state_equal=torch.equal(ht, ht_triton),
                     o_nan=bool(o.isnan().any()), o_max_abs=(o.float() - o_triton.float()).abs().max().item()))
         del o, ht, o_triton, ht_triton
-        mode = "fwd+bwd" if args.training else "fwd"
+        mode = f"fwd+bwd ({args.switch})" if args.training else "fwd"
         if args.training:
             x = {n: (t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
                  for n, t in x.items()}

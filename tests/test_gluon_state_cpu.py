@@ -106,13 +106,75 @@ def test_score_dtype_constexpr():
         gluon.gl_dtype(torch.float32)
 
 
-def test_reverse_pass_in_gluon_is_off_by_default(spec_variant):
-    """The backward's Gluon reverse pass is rendered for the bundled GDN spec and runs only when asked (it has
-    not run on a GPU yet); asked, it still needs what the forward's pass needs (a CPU tensor never qualifies)."""
+def test_reverse_pass_in_gluon_switch(spec_variant, monkeypatch):
+    """The backward's Gluon reverse pass is rendered for the bundled GDN spec (not for a spec without the
+    forward's Gluon pass); it runs by default where the forward's pass could (a CPU tensor never qualifies),
+    and ``override(spec, "gluon_state_bwd", value=False)`` keeps the Triton pass."""
     module = importlib.import_module("generated.gated_delta_rule")
     assert callable(module._state_bwd_gluon)
     assert not hasattr(importlib.import_module("generated.delta_rule"), "_state_bwd_gluon")
     x = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
-    assert not gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)
-    with override("gated_delta_rule", "gluon_state_bwd", value=True):
-        assert not gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)   # not CUDA
+    assert not gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)     # not CUDA
+    asked = []
+    monkeypatch.setattr(gluon, "state_pass_unusable", lambda *a, **kw: asked.append(a[0]) or None)  # "a Hopper GPU"
+    assert gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)
+    with override("gated_delta_rule", "gluon_state_bwd", value=False):
+        assert not gluon.state_bwd_usable("gated_delta_rule", x, x, x, K=128, V=128, BT=64, T=64)
+    assert asked == ["gated_delta_rule"]
+
+
+class _Stop(Exception):
+    """Raised by the stand-in for the Gluon reverse pass: the walk before it is what is checked."""
+
+
+def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch):
+    """Where the Gluon reverse pass runs it forms the intra stage's part itself, so that stage does not run,
+    and in pieces the Triton walk before it forms that part too (INTRA) from q, k and dO. The pieces' end
+    gradients the walk hands the Gluon pass (a stand-in here: Gluon does not run on the CPU) must be those
+    of the walk that reads the intra stage's output, and no intra stage may have run."""
+    from gdngen.selfcheck import call, make_inputs, poisoned_memory
+    name = "gated_delta_rule"
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
+    walks, intra_launches = [], []
+    walk, intra = module._state_bwd_fast, module._intra_bwd_fast
+
+    class Walk:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                walk[grid](*args, **kwargs)
+                if kwargs.get("WINDOW"):
+                    walks.append((kwargs.get("INTRA", False), args[8].clone()))   # the pieces' end gradients
+            return launch
+
+    class Intra:
+        def __getitem__(self, grid):
+            intra_launches.append(grid)
+            return intra[grid]
+
+    def stand_in(*args, fused_intra=False, **kwargs):
+        assert fused_intra
+        raise _Stop
+    monkeypatch.setattr(module, "_state_bwd_fast", Walk())
+    monkeypatch.setattr(module, "_intra_bwd_fast", Intra())
+    monkeypatch.setattr(module, "_state_bwd_gluon", stand_in)
+    # T = 480 in 16-token chunks, three pieces: the first piece's walk stops short of the sequence end
+    inputs = make_inputs(spec, B=2, T=480, H=1, HV=2, K=16, V=16, seed=31, h0=True)
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    for usable in (False, True):
+        monkeypatch.setattr(module, "state_bwd_usable", lambda *a, **kw: usable)
+        with override(name, "state_pieces", value=3), poisoned_memory():
+            o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True, chunk_size=16)
+            grad = lambda: torch.autograd.grad((o, ht), list(leaves.values()), (torch.ones_like(o), torch.ones_like(ht)))
+            if usable:
+                with pytest.raises(_Stop):
+                    grad()
+            else:
+                grad()
+        assert len(intra_launches) == (0 if usable else 1), (usable, intra_launches)
+        intra_launches.clear()
+    (intra_read, ends_read), (intra_formed, ends_formed) = walks
+    assert not intra_read and intra_formed
+    assert not ends_formed.isnan().any() and ends_formed.abs().max() > 0
+    assert torch.allclose(ends_formed, ends_read, rtol=1e-5, atol=1e-6), (ends_formed - ends_read).abs().max()

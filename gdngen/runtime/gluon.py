@@ -108,10 +108,10 @@ def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch
 def state_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, *, K: int, V: int,
                      BT: int, T: int) -> bool:
     """Whether the backward's reverse state pass runs the Gluon kernel (stages/backward_state_gluon.py.j2)
-    over these dense inputs: only when asked, ``override(spec, "gluon_state_bwd", value=True)``, until it
-    has been run and timed on a GPU, and then under :func:`state_pass_unusable`'s conditions (``do`` in
-    the values' place)."""
+    over these dense inputs: under :func:`state_pass_unusable`'s conditions (``do`` in the values' place).
+    ``override(spec, "gluon_state_bwd", value=False)`` keeps the Triton pass (tests compare the two);
+    stop 36 measured the Gluon pass at 580 us against the Triton pass's 838 at (1, 32768, 32, 32)."""
     forced = _OVERRIDES.get((spec_name, "gluon_state_bwd"))
-    if forced is None or not forced["value"]:
+    if forced is not None and not forced["value"]:
         return False
     return state_pass_unusable(spec_name, q, k, do, K=K, V=V, BT=BT, T=T) is None
