@@ -1,13 +1,16 @@
 """gdngen's own host time per chunk-op call, on a CPU machine: the Python around the launches.
 
     python benchmarks/host_profile_cpu.py [--spec gated_delta_rule] [--shape 8,64,16,16] [--calls 200] [--rounds 7]
-                                          [--dtype bfloat16] [--items] [--profile 25]
+                                          [--dtype bfloat16] [--items] [--profile 25] [--gluon] [--segments S]
 
 Runs under the Triton interpreter with every kernel launch made a no-op (nothing executes, outputs
 stay uninitialised), so what is left is gdngen's host code and torch's (allocations, autograd).
 By default it pretends the kernels run on an H200 the way the GPU path does: the device probe
 returns an H200 (tile lookups go through the autotune cache and the shipped table) and the
 compile-ahead check runs as for a CUDA tensor. ``--cpu-path`` keeps the interpreter's own path.
+
+``--gluon`` takes the Gluon passes' host path, as on a Hopper GPU: their usable checks answer yes and
+their launches are no-ops too. ``--segments S`` forces the backward's time segments.
 
 Prints microseconds per forward call and per forward+backward call; ``--items`` times each host
 helper a call makes, replayed alone with the arguments it got (the sum per helper per call);
@@ -154,6 +157,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=7, help="rounds of --calls; the best counts (a busy machine)")
     parser.add_argument("--cpu-path", action="store_true", help="no pretend H200: the interpreter's own path")
     parser.add_argument("--items", action="store_true")
+    parser.add_argument("--gluon", action="store_true",
+                        help="take the Gluon passes' host path (Hopper): their usable checks answer yes, launches no-op")
+    parser.add_argument("--segments", type=int, default=0, help="force the backward's time segments (override)")
     parser.add_argument("--profile", type=int, default=0)
     args = parser.parse_args()
     InterpretedFunction.run = _no_launch
@@ -169,6 +175,20 @@ def main():
         torch.cuda.current_device = lambda: 0     # the compile-ahead key's device (its dry run compiles nothing here)
     module = importlib.import_module(f"generated.{args.spec}")
     fn = getattr(module, f"chunk_{args.spec}")
+    if args.gluon:
+        class NoLaunch:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: None
+        for name in ("state_pass_usable", "state_bwd_usable"):
+            if hasattr(module, name):
+                setattr(module, name, lambda *a, **kw: True)
+        for name in ("_state_output_gluon_fast", "_state_bwd_gluon_fast"):
+            if hasattr(module, name):
+                setattr(module, name, NoLaunch())
+        module.ensure_scratch_allocator = lambda: None      # (allocates through CUDA)
+    if args.segments:
+        from gdngen.runtime import override
+        override(args.spec, "backward_segments", value=args.segments).__enter__()
     x = _inputs(B, T, H, HV, K, V, dtype)
     leaves = {n: t.requires_grad_() for n, t in x.items()}
     ones = None

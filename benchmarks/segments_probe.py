@@ -1,0 +1,71 @@
+"""The training step of ``gdngen bench`` (no final state, a random dO, time segments where the backward
+takes them) with the Gluon reverse pass on and off, in time segments and in one call (stop 36: the bench's
+fwd+bwd row at (1,32768,32,32) read 7.0 ms where gluon_state_probe.py's step read 4.78).
+
+    python benchmarks/segments_probe.py [--case 1,32768,32,32] [--out rows.jsonl]
+
+Per variant: do_bench's median (ms), peak memory, and each kernel's device time (torch.profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+NAME = "gated_delta_rule"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="1,32768,32,32")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--dry", action="store_true", help="one step per variant on the CPU interpreter, no timing")
+    args = parser.parse_args()
+    from benchmarks.gluon_state_probe import kernel_times
+    from gdngen.bench import Case, make_inputs
+    from gdngen.runtime import override
+    from gdngen.spec import load_spec
+    import generated.gated_delta_rule as module
+    spec = load_spec(str(ROOT / "specs" / f"{NAME}.yaml"))
+    B, T, H, HV = (int(n) for n in args.case.split(","))
+    device = "cpu" if args.dry else "cuda"
+    inputs = make_inputs(spec, Case(args.case, B, T, H, HV, 128, 128), torch.float32 if args.dry else torch.bfloat16,
+                         device, requires_grad=True)
+    fn = module.chunk_gated_delta_rule
+    do = torch.randn_like(fn(**inputs)[0])
+    out = open(args.out, "a") if args.out else None
+    for gluon in (True, False):
+        for segments in (None, 1):
+            def step():
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(override(NAME, "gluon_state_bwd", value=gluon))
+                    if segments:
+                        stack.enter_context(override(NAME, "backward_segments", value=segments))
+                    stack.enter_context(torch.enable_grad())     # (the profiler runs it under no_grad)
+                    fn(**inputs)[0].backward(do)
+            step()
+            if args.dry:
+                print(gluon, segments, "ran")
+                continue
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median",
+                                         grad_to_none=list(inputs.values()))
+            row = dict(case=args.case, gluon_state_bwd=gluon, segments=segments or "default", ms=round(ms, 3),
+                       peak_mib=round(torch.cuda.max_memory_allocated() / 2**20), kernels_us=kernel_times(step, 5))
+            print(json.dumps(row), flush=True)
+            if out:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+
+
+if __name__ == "__main__":
+    main()
