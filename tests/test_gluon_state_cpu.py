@@ -127,11 +127,13 @@ class _Stop(Exception):
     """Raised by the stand-in for the Gluon reverse pass: the walk before it is what is checked."""
 
 
-def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch):
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch, pieces):
     """Where the Gluon reverse pass runs it forms the intra stage's part itself, so that stage does not run,
     and in pieces the Triton walk before it forms that part too (INTRA) from q, k and dO. The pieces' end
     gradients the walk hands the Gluon pass (a stand-in here: Gluon does not run on the CPU) must be those
-    of the walk that reads the intra stage's output, and no intra stage may have run."""
+    of the walk that reads the intra stage's output, and no intra stage may have run. Whole sequences (one
+    piece) have no walk: the pass is asked for the intra part and no intra stage runs."""
     from gdngen.selfcheck import call, make_inputs, poisoned_memory
     name = "gated_delta_rule"
     spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
@@ -164,7 +166,7 @@ def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch):
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
     for usable in (False, True):
         monkeypatch.setattr(module, "state_bwd_usable", lambda *a, **kw: usable)
-        with override(name, "state_pieces", value=3), poisoned_memory():
+        with override(name, "state_pieces", value=pieces), poisoned_memory():
             o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True, chunk_size=16)
             grad = lambda: torch.autograd.grad((o, ht), list(leaves.values()), (torch.ones_like(o), torch.ones_like(ht)))
             if usable:
@@ -174,6 +176,9 @@ def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch):
                 grad()
         assert len(intra_launches) == (0 if usable else 1), (usable, intra_launches)
         intra_launches.clear()
+    if pieces == 1:
+        assert walks == []
+        return
     (intra_read, ends_read), (intra_formed, ends_formed) = walks
     assert not intra_read and intra_formed
     assert not ends_formed.isnan().any() and ends_formed.abs().max() > 0
