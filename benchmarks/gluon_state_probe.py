@@ -62,9 +62,10 @@ def main():
     parser.add_argument("--no-precision", action="store_true")
     parser.add_argument("--training", action="store_true",
                         help="time forward + backward, the training forward through the Gluon pass or not")
-    parser.add_argument("--switch", default="gluon_training", choices=("gluon_training", "gluon_state_bwd"),
+    parser.add_argument("--switch", default="gluon_training",
+                        choices=("gluon_training", "gluon_state_bwd", "gluon_w_from_t"),
                         help="with --training: the switch timed on and off (gluon_state_bwd: the backward's reverse "
-                             "state pass in Gluon)")
+                             "state pass in Gluon; gluon_w_from_t: that pass forms W from T, no wy_prep)")
     parser.add_argument("--module-file", default=None,
                         help="time this rendering of the module instead (an earlier template's, for A/B rows)")
     args = parser.parse_args()

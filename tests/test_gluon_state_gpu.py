@@ -135,27 +135,32 @@ class _LaunchCount:
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (the Triton walk, then the Gluon pass)
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
 ])
-def test_reverse_pass_in_gluon(monkeypatch, shape, pieces):
+@pytest.mark.parametrize("w_from_t", [False, True])
+def test_reverse_pass_in_gluon(monkeypatch, shape, pieces, w_from_t):
     """The backward's reverse state pass in Gluon (the default; override gluon_state_bwd) against the Triton
     pass, and both against float64. It forms the intra stage's part itself (the walk before it too, in
     pieces), so that stage does not run, and keeps it in float32 where the intra stage rounds it to bf16
     before the sum: dvals then differ from the Triton pass's by bf16 roundings (2^-8 relative at most per
     rounding), and every gradient must be as close to float64 as the Triton pass's or closer (5% slack: the
-    two differ by roundings)."""
+    two differ by roundings). ``w_from_t`` (override gluon_w_from_t, off by default): the pass and the walk form
+    W's product from the forward's T, and wy_prep does not run."""
     module, launches = _counting(monkeypatch, "_state_bwd_gluon")
     intra = _LaunchCount(module._intra_bwd_fast)
     monkeypatch.setattr(module, "_intra_bwd_fast", intra)
+    wy_prep = _LaunchCount(module._wy_bwd_prep_fast)
+    monkeypatch.setattr(module, "_wy_bwd_prep_fast", wy_prep)
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, K=128, V=128, h0=True, **shape)
-    results, intra_launches = {}, {}
+    results, intra_launches, wy_prep_launches = {}, {}, {}
     for gluon in (True, False):
-        intra.count = 0
+        intra.count = wy_prep.count = 0
         with override(NAME, "gluon_state_bwd", value=gluon), override(NAME, "state_pieces", value=pieces), \
-                poisoned_memory():
+                override(NAME, "gluon_w_from_t", value=w_from_t), poisoned_memory():
             results[gluon] = _forward_backward(module, spec, inputs, seed=28)
-        intra_launches[gluon] = intra.count
+        intra_launches[gluon], wy_prep_launches[gluon] = intra.count, wy_prep.count
     assert launches == [pieces * shape["B"]]
     assert intra_launches == {True: 0, False: 1}
+    assert wy_prep_launches == {True: 0 if w_from_t else 1, False: 1}
     (o, ht, grads), (_, _, grads_triton) = results[True], results[False]
     for name in grads:
         assert not grads[name].isnan().any(), name
@@ -163,7 +168,8 @@ def test_reverse_pass_in_gluon(monkeypatch, shape, pieces):
     from gdngen.selfcheck import gradient_errors
     errors = {}
     for gluon in (True, False):
-        with override(NAME, "gluon_state_bwd", value=gluon), override(NAME, "state_pieces", value=pieces):
+        with override(NAME, "gluon_state_bwd", value=gluon), override(NAME, "state_pieces", value=pieces), \
+                override(NAME, "gluon_w_from_t", value=w_from_t):
             errors[gluon] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=29, K=128, V=128,
                                             **shape)
     bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
