@@ -122,7 +122,7 @@ def w_from_t_enabled(spec_name: str) -> bool:
     key_w_decay) K from the forward's 16-bit T itself, so the backward's wy_prep launch does not run: the
     pass reads T (8 KB per chunk and head) instead of W (16 KB) and takes dvals^T W as (dvals^T (T diag(beta
     key_w_decay))) K, one more product on its chain. Off until it has run and been timed on a GPU (offline
-    sm_90: 255 registers, no local memory, 173 KB of shared memory): ``override(spec, "gluon_w_from_t",
+    sm_90: 255 registers, no local memory, 181 KB of shared memory): ``override(spec, "gluon_w_from_t",
     value=True)`` turns it on."""
     forced = _OVERRIDES.get((spec_name, "gluon_w_from_t"))
     return forced is not None and bool(forced["value"])
