@@ -67,3 +67,38 @@ def spec_variant(tmp_path):
         module_spec.loader.exec_module(module)
         return load_spec(path), module
     return make
+
+
+class CountedLaunches:
+    """Stands in for a generated module's cached launcher (``launcher[grid](*args, **kwargs)``): counts the
+    launches and passes them on; ``after(args, kwargs)``, where given, sees each launch's arguments once it
+    has run."""
+
+    def __init__(self, launcher, after=None):
+        self.launcher, self.after, self.count = launcher, after, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        launch = self.launcher[grid]
+        if self.after is None:
+            return launch
+
+        def run(*args, **kwargs):
+            result = launch(*args, **kwargs)
+            self.after(args, kwargs)
+            return result
+        return run
+
+
+@pytest.fixture
+def count_launches(monkeypatch):
+    """``count(module, name, after=None)``: ``module.name`` (a cached launcher) replaced, for the test, by a
+    :class:`CountedLaunches` of the original, which it returns."""
+    def count(module, name, after=None):
+        original = getattr(module, name)
+        if isinstance(original, CountedLaunches):
+            original = original.launcher
+        counter = CountedLaunches(original, after)
+        monkeypatch.setattr(module, name, counter)
+        return counter
+    return count

@@ -177,20 +177,9 @@ class _Allocations(TorchDispatchMode):
         return result
 
 
-class _CountedLaunches:
-    """Stands in for a kernel's launcher: counts ``[grid]`` launches and passes them on."""
-
-    def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("case,per_segment", [("gdn-fused-mha", False), ("simple_gla-gva", False),
                                               ("kda-mha-no-dht-no-h0-bt32", True)])
-def test_segments_launch_the_scalar_gates_once(case, per_segment):
+def test_segments_launch_the_scalar_gates_once(case, per_segment, count_launches):
     """A segmented backward of a scalar decay launches the gates stage once for the whole call and
     cuts its [B, T, HV] outputs per segment (gradients as the one-call backward's: the test above);
     a per-channel decay's cumsum is the size of k, so there each segment still forms its own."""
@@ -198,9 +187,8 @@ def test_segments_launch_the_scalar_gates_once(case, per_segment):
     module = importlib.import_module(f"generated.{name}")
     launches = {}
     for segments in (1, 3):
-        counted = _CountedLaunches(module._gates_fwd_fast)
-        with mock.patch.object(module, "_gates_fwd_fast", counted):
-            _, calls, _ = _grads(name, segments, **kwargs)
+        counted = count_launches(module, "_gates_fwd_fast")
+        _, calls, _ = _grads(name, segments, **kwargs)
         assert len(calls) == segments
         launches[segments] = counted.count
     forward = launches[1] // 2                  # one call: the forward's launches, then the backward's again

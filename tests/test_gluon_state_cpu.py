@@ -127,7 +127,7 @@ class _Stop(Exception):
     """Raised by the stand-in for the Gluon reverse pass: the walk before it is what is checked."""
 
 
-def _backward_before_the_gluon_pass(monkeypatch, *, pieces, runs, dtype=torch.float32):
+def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs, dtype=torch.float32):
     """One training call of the bundled GDN module per ``runs`` entry, (usable, w_from_t): whether the Gluon
     reverse pass is taken (its usable check patched; the pass itself a stand-in that records what it was
     given and stops the backward: Gluon does not run on the CPU) and whether W is formed from T. Returns,
@@ -139,24 +139,16 @@ def _backward_before_the_gluon_pass(monkeypatch, *, pieces, runs, dtype=torch.fl
     monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
     record = {}
 
-    def counted(launcher, label):
-        class Counted:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launcher[grid](*args, **kwargs)
-                    record[label] += 1
-                    if kwargs.get("WINDOW"):    # the walk: the pieces' end gradients
-                        record["walks"].append((kwargs.get("INTRA", False), kwargs.get("W_FROM_T", False),
-                                                args[8].clone()))
-                return launch
-        return Counted()
+    def walked(args, kwargs):
+        if kwargs.get("WINDOW"):                # the walk: the pieces' end gradients
+            record["walks"].append((kwargs.get("INTRA", False), kwargs.get("W_FROM_T", False), args[8].clone()))
 
     def stand_in(*args, **kwargs):
         record["gluon"] = kwargs
         raise _Stop
-    monkeypatch.setattr(module, "_state_bwd_fast", counted(module._state_bwd_fast, "state"))
-    monkeypatch.setattr(module, "_intra_bwd_fast", counted(module._intra_bwd_fast, "intra"))
-    monkeypatch.setattr(module, "_wy_bwd_prep_fast", counted(module._wy_bwd_prep_fast, "wy_prep"))
+    counters = {"state": count_launches(module, "_state_bwd_fast", after=walked),
+                "intra": count_launches(module, "_intra_bwd_fast"),
+                "wy_prep": count_launches(module, "_wy_bwd_prep_fast")}
     monkeypatch.setattr(module, "_state_bwd_gluon", stand_in)
     # T = 480 in 16-token chunks, three pieces: the first piece's walk stops short of the sequence end
     inputs = make_inputs(spec, B=2, T=480, H=1, HV=2, K=16, V=16, seed=31, h0=True, dtype=dtype)
@@ -164,7 +156,9 @@ def _backward_before_the_gluon_pass(monkeypatch, *, pieces, runs, dtype=torch.fl
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
     results = []
     for usable, w_from_t in runs:
-        record.update(state=0, intra=0, wy_prep=0, walks=[], gluon=None)
+        record.update(walks=[], gluon=None)
+        for counter in counters.values():
+            counter.count = 0
         monkeypatch.setattr(module, "state_bwd_usable", lambda *a, **kw: usable)
         with override(name, "state_pieces", value=pieces), override(name, "gluon_w_from_t", value=w_from_t), \
                 poisoned_memory():
@@ -175,17 +169,19 @@ def _backward_before_the_gluon_pass(monkeypatch, *, pieces, runs, dtype=torch.fl
             except _Stop:
                 pass
         assert (record["gluon"] is not None) == usable
-        results.append(dict(record, walks=list(record["walks"])))
+        results.append(dict(record, walks=list(record["walks"]),
+                            **{label: counter.count for label, counter in counters.items()}))
     return results
 
 
 @pytest.mark.parametrize("pieces", [1, 3])
-def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch, pieces):
+def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch, count_launches, pieces):
     """Where the Gluon reverse pass runs it forms the intra stage's part itself, so that stage does not run,
     and in pieces the Triton walk before it forms that part too (INTRA) from q, k and dO. The pieces' end
     gradients the walk hands the Gluon pass must be those of the walk that reads the intra stage's output.
     Whole sequences (one piece) have no walk: the pass is asked for the intra part."""
-    triton, gluon = _backward_before_the_gluon_pass(monkeypatch, pieces=pieces, runs=[(False, False), (True, False)])
+    triton, gluon = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces,
+                                                    runs=[(False, False), (True, False)])
     assert triton["intra"] == 1 and gluon["intra"] == 0
     assert gluon["gluon"]["fused_intra"] and gluon["gluon"]["tmat"] is None
     if pieces == 1:
@@ -198,13 +194,13 @@ def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch, pieces
 
 
 @pytest.mark.parametrize("pieces", [1, 3])
-def test_w_formed_from_t_where_asked(monkeypatch, pieces):
+def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
     """``override(spec, "gluon_w_from_t", value=True)``: the Gluon reverse pass gets the forward's 16-bit T
     and beta instead of W, wy_prep does not run, and in pieces the walk forms W from T itself (W_FROM_T) with
     wy_prep's roundings: its end gradients are those of the walk that reads wy_prep's W (float16 inputs:
     the forward keeps a 16-bit T). Off by default, and never for a float32 T."""
-    runs = _backward_before_the_gluon_pass(monkeypatch, pieces=pieces, runs=[(True, False), (True, True)],
-                                           dtype=torch.float16)
+    runs = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces,
+                                           runs=[(True, False), (True, True)], dtype=torch.float16)
     read, formed = runs
     assert read["wy_prep"] == 1 and formed["wy_prep"] == 0
     assert read["gluon"]["tmat"] is None and read["gluon"]["beta"] is None
@@ -218,6 +214,6 @@ def test_w_formed_from_t_where_asked(monkeypatch, pieces):
         assert not ends_formed.isnan().any() and ends_formed.abs().max() > 0
         assert torch.allclose(ends_formed.float(), ends_read.float(), rtol=2e-3, atol=1e-4), \
             (ends_formed - ends_read).abs().max()
-    (float32,) = _backward_before_the_gluon_pass(monkeypatch, pieces=pieces, runs=[(True, True)])
+    (float32,) = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces, runs=[(True, True)])
     assert float32["wy_prep"] == 1 and float32["gluon"]["tmat"] is None     # a float32 T: wy_prep forms W
     assert not gluon.w_from_t_enabled("gated_delta_rule")

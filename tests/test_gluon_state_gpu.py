@@ -121,22 +121,12 @@ def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
     assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(o, o_triton) <= 1e-3
 
 
-class _LaunchCount:
-    """Stands in for a module's cached launcher (``launcher[grid](...)``), counting its launches."""
-    def __init__(self, launcher):
-        self.launcher, self.count = launcher, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.launcher[grid]
-
-
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (the Triton walk, then the Gluon pass)
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
 ])
 @pytest.mark.parametrize("w_from_t", [False, True])
-def test_reverse_pass_in_gluon(monkeypatch, shape, pieces, w_from_t):
+def test_reverse_pass_in_gluon(monkeypatch, count_launches, shape, pieces, w_from_t):
     """The backward's reverse state pass in Gluon (the default; override gluon_state_bwd) against the Triton
     pass, and both against float64. It forms the intra stage's part itself (the walk before it too, in
     pieces), so that stage does not run, and keeps it in float32 where the intra stage rounds it to bf16
@@ -145,10 +135,7 @@ def test_reverse_pass_in_gluon(monkeypatch, shape, pieces, w_from_t):
     two differ by roundings). ``w_from_t`` (override gluon_w_from_t, off by default): the pass and the walk form
     W's product from the forward's T, and wy_prep does not run."""
     module, launches = _counting(monkeypatch, "_state_bwd_gluon")
-    intra = _LaunchCount(module._intra_bwd_fast)
-    monkeypatch.setattr(module, "_intra_bwd_fast", intra)
-    wy_prep = _LaunchCount(module._wy_bwd_prep_fast)
-    monkeypatch.setattr(module, "_wy_bwd_prep_fast", wy_prep)
+    intra, wy_prep = count_launches(module, "_intra_bwd_fast"), count_launches(module, "_wy_bwd_prep_fast")
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, K=128, V=128, h0=True, **shape)
     results, intra_launches, wy_prep_launches = {}, {}, {}
