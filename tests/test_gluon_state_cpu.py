@@ -217,3 +217,59 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
     (float32,) = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces, runs=[(True, True)])
     assert float32["wy_prep"] == 1 and float32["gluon"]["tmat"] is None     # a float32 T: wy_prep forms W
     assert not gluon.w_from_t_enabled("gated_delta_rule")
+
+
+def _triton_in_the_gluon_pass_place(module):
+    """A stand-in for ``_state_bwd_gluon`` that does its work with the Triton reverse pass (same arguments,
+    same meaning: the intra part formed in the pass with ``fused_intra``, W formed from ``tmat`` and ``beta``
+    where given), so the backward after it runs on the CPU interpreter."""
+    def reverse_pass(q, k, w, g_cum, do, dvals, dht, dh, dh0, cu_seqlens, scale, T, N, H, HV, K, V, BT,
+                     fused_intra=False, tmat=None, beta=None):
+        chunk_offsets = None
+        if cu_seqlens is not None:
+            chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
+            chunk_offsets = torch.cat([chunks.new_zeros(1), chunks.cumsum(0)]).to(cu_seqlens.dtype)
+        module._state_bwd_fast[(1, N * HV)](
+            q, k, w, g_cum, dvals, do, dht, dh, dh0, dvals, cu_seqlens, chunk_offsets, beta, tmat, None, 0.,
+            scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=V, IS_VARLEN=cu_seqlens is not None, DELTA=True,
+            USE_FINAL_GRAD=dht is not None, STORE_INITIAL_GRAD=dh0 is not None, DOT_PRECISION="ieee",
+            INTRA=fused_intra, W_FROM_T=tmat is not None)
+    return reverse_pass
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_gradients_with_w_formed_from_t(monkeypatch, pieces):
+    """Every gradient of the backward that forms W from T in the reverse passes (no wy_prep, no W tensor:
+    dW gets memory of its own, and the wy stage still adds its part of dg in a slot of its own) equals the
+    one that reads wy_prep's W, with the Triton reverse pass in the Gluon pass's place (float16: the forward
+    keeps a 16-bit T). Stop 37's first GPU run of gluon_w_from_t had dg wrong by 70%: the slot was gone."""
+    from gdngen.selfcheck import call, make_inputs, poisoned_memory
+    name = "gated_delta_rule"
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
+    monkeypatch.setattr(module, "_state_bwd_gluon", _triton_in_the_gluon_pass_place(module))
+    inputs = make_inputs(spec, B=2, T=480, H=1, HV=2, K=16, V=16, seed=37, h0=True, dtype=torch.float16)
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    grads = {}
+    for usable, w_from_t in [(False, False), (True, False), (True, True)]:
+        monkeypatch.setattr(module, "state_bwd_usable", lambda *a, **kw: usable)
+        with override(name, "state_pieces", value=pieces), override(name, "gluon_w_from_t", value=w_from_t), \
+                poisoned_memory():
+            o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True, chunk_size=16)
+            torch.manual_seed(5)
+            cotangents = (torch.randn_like(o), torch.randn_like(ht))
+            grads[usable, w_from_t] = dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()),
+                                                                         cotangents)))
+    triton, read, formed = grads[False, False], grads[True, False], grads[True, True]
+    assert set(formed) >= {"q", "k", "v", "g", "beta", "initial_state"}
+    for n in leaves:
+        assert not formed[n].isnan().any(), n
+        ref = read[n].double()
+        scale = ref.norm()
+        assert scale > 0, n
+        # the stand-in's run (the intra part formed in the pass, not rounded to 16 bits first: ~4e-4 here)
+        # against the plain Triton backward; W formed from T rounds as wy_prep does (equal here on the CPU)
+        assert (triton[n].double() - ref).norm() <= 2e-3 * scale, (n, ((triton[n].double() - ref).norm() / scale))
+        assert (formed[n].double() - ref).norm() <= 1e-4 * scale, (n, ((formed[n].double() - ref).norm() / scale))
+
