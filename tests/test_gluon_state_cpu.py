@@ -198,7 +198,7 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
     """``override(spec, "gluon_w_from_t", value=True)``: the Gluon reverse pass gets the forward's 16-bit T
     and beta instead of W, wy_prep does not run, and in pieces the walk forms W from T itself (W_FROM_T) with
     wy_prep's roundings: its end gradients are those of the walk that reads wy_prep's W (float16 inputs:
-    the forward keeps a 16-bit T). Off by default, and never for a float32 T."""
+    the forward keeps a 16-bit T). On by default, and never for a float32 T."""
     runs = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces,
                                            runs=[(True, False), (True, True)], dtype=torch.float16)
     read, formed = runs
@@ -216,7 +216,9 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
             (ends_formed - ends_read).abs().max()
     (float32,) = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces, runs=[(True, True)])
     assert float32["wy_prep"] == 1 and float32["gluon"]["tmat"] is None     # a float32 T: wy_prep forms W
-    assert not gluon.w_from_t_enabled("gated_delta_rule")
+    assert gluon.w_from_t_enabled("gated_delta_rule")
+    with override("gated_delta_rule", "gluon_w_from_t", value=False):
+        assert not gluon.w_from_t_enabled("gated_delta_rule")
 
 
 def _triton_in_the_gluon_pass_place(module):

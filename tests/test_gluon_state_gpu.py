@@ -132,7 +132,7 @@ def test_reverse_pass_in_gluon(monkeypatch, count_launches, shape, pieces, w_fro
     pieces), so that stage does not run, and keeps it in float32 where the intra stage rounds it to bf16
     before the sum: dvals then differ from the Triton pass's by bf16 roundings (2^-8 relative at most per
     rounding), and every gradient must be as close to float64 as the Triton pass's or closer (5% slack: the
-    two differ by roundings). ``w_from_t`` (override gluon_w_from_t, off by default): the pass and the walk form
+    two differ by roundings). ``w_from_t`` (override gluon_w_from_t, the default): the pass and the walk form
     W's product from the forward's T, and wy_prep does not run."""
     module, launches = _counting(monkeypatch, "_state_bwd_gluon")
     intra, wy_prep = count_launches(module, "_intra_bwd_fast"), count_launches(module, "_wy_bwd_prep_fast")
