@@ -255,8 +255,12 @@ def test_backward_persistent_grid_matches_one_program_per_tile(case):
             bt.override_backward("wy", PERSISTENT=0 if per_channel else 2), bt.override_backward("wy_prep", PERSISTENT=4), \
             mock.patch.object(module, "tile_grid", side_effect=recording):
         got, _ = _grads(name, reference_too=False, **kwargs)
-    # launch order: wy_prep and wy for the delta rule only, chunk always; the per-channel kernels one per tile
-    want_grids = ([(4,)] if delta else []) + [(3,) if not per_channel else None] + ([(2,) if not per_channel else None] if delta else [])
+    # launch order: wy_prep and wy for the delta rule only, chunk always (after wy for a scalar or no decay,
+    # before it for a per-channel one); the per-channel kernels one per tile
+    if per_channel:
+        want_grids = ([(4,)] if delta else []) + [None] + ([None] if delta else [])
+    else:
+        want_grids = ([(4,), (2,)] if delta else []) + [(3,)]
     assert [grid if len(grid) == 1 else None for _, grid in grids] == want_grids, grids
     assert all(len(tiles) == len(grid) or tiles[0] * tiles[1] > grid[0] for tiles, grid in grids), grids
     for n in got:

@@ -42,7 +42,8 @@ num_stages stays the default's. Estimates, per program (``+ 256 BK`` with per-ch
   intra_bwd     P [BT, BT], dv [BT, BV] (+256 BK)   q, k [BT, BK];          P, dO [BT, BV]
   state_bwd     dh [BK, BV], dv and dO [BT, BV]     [BT, BK] + [BT, BV];    dh, a [BT, BK] operand
   chunk_bwd     dq dk dw [BT, BK], dS, <h, dh>      h, dh [BK, BV], 3 [BT, BV]; dS, q, k
-  wy_bwd        T, dRR, KK [BT, BT], dR [BT, BK]    2 [BT, BK] + 2 [BT, BV]; T, dRR
+  wy_bwd        T, dRR, KK [BT, BT], dR [BT, BK]    2 [BT, BK] + 2 [BT, BV] (+ S [BK, BV]); T, dRR
+                (+ K S, dR_v [BT, BV])
   wy_decay_bwd  dA (2) [BT, BT], 8 [BT, BK]          2 [BT, BK];             dA
 Deliberately rough: the tuner checks and times what survives, and rejects what fails to compile.
 """
@@ -234,7 +235,8 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
         # 2026-11-30, no [16, 16, BK] block product)
         live = (6 if per_channel else 3) * BT * BK + BT * BT + BK * BV
     elif stage == "wy_bwd":
-        live = 3 * BT * BT + BT * BK
+        # scalar / no decay (stop 38): K S and dR_v [BT, BV] per value tile beside T, dR R^T and K K^T
+        live = 3 * BT * BT + BT * BK + (0 if per_channel else 2 * BT * BV)
     elif stage == "wy_decay_bwd":
         # levels since kda-wy-levels: dA + dA^T and its level-masked copy [BT, BT]; Y, X, k, g,
         # g_r, the exponent, the dot operand and result [BT, BK] (ptxas at BT=64: 250 registers at
@@ -264,7 +266,8 @@ def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
     elif stage == "chunk_bwd":
         streamed, resident = 2 * BK * BV + 3 * BT * BV, BT * BT + 2 * BT * BK
     elif stage == "wy_bwd":
-        streamed, resident = 2 * BT * (BK + BV), 2 * BT * BT
+        # (scalar / no decay: k [BT, BK] with S [BK, BV], then v and dV_new [BT, BV])
+        streamed, resident = 2 * BT * (BK + BV) + BK * BV, 2 * BT * BT
     else:
         raise ValueError(f"stage: unknown stage {stage!r}")
     if config.get("PERSISTENT"):

@@ -1,0 +1,111 @@
+"""Two renderings of gated_delta_rule's forward + backward side by side in one process (CUDA only; stop 38).
+
+    python benchmarks/module_ab.py --modules "variant_tmp/gdr_head.py generated/gated_delta_rule.py" \
+        [--cases "4,8192,16,32 1,32768,32,32"] [--bwd-tiles "wy:BV=128 wy:num_warps=8"] [--profile] [--out rows.jsonl]
+
+Per case: every gradient (q, k, v, g, beta) of each module against the first module's, as the relative
+L2 difference and the largest absolute one (NaN-poisoned buffers); then fwd+bwd times (``do_bench``
+medians, modules interleaved over two rounds), peak memory, and with ``--profile`` each kernel's device
+time. ``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
+(``override_backward``), each with its gradients' difference to the default tiles'.
+A template change is measured by rendering main's module into an untracked file
+(``git show HEAD:generated/gated_delta_rule.py > variant_tmp/gdr_head.py``) beside the working tree's.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+
+def load(path: str, index: int):
+    module_spec = importlib.util.spec_from_file_location(f"gdr_variant_{index}", ROOT / path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def parse_override(text: str):
+    """"stage:KEY=value,KEY=value" -> (stage, {KEY: int})."""
+    stage, _, fields = text.partition(":")
+    return stage, {key: int(value) for key, value in (f.split("=") for f in fields.split(",") if f)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", required=True, help="module files, space separated (the first is the baseline)")
+    parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 8,2048,16,16")
+    parser.add_argument("--bwd-tiles", default="", help='e.g. "wy:BV=128,num_warps=8 chunk:BK=64,BV=128"')
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from benchmarks.fused_probe import inputs
+    from benchmarks.tuner_timing_check import kernel_times
+    from gdngen.runtime.backward_tiles import override_backward
+    from gdngen.selfcheck import poisoned_memory
+    paths = args.modules.split()
+    modules = [load(p, i) for i, p in enumerate(paths)]
+    overrides = [parse_override(t) for t in args.bwd_tiles.split()]
+    out = open(args.out, "a") if args.out else None
+
+    def record(row):
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+    for text in args.cases.split():
+        B, T, H, HV = (int(n) for n in text.split(","))
+        case = dict(B=B, T=T, H=H, HV=HV)
+        x = inputs(B, T, H, HV, grad=True)
+        leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(B, T, HV, 128, device="cuda", generator=gen).bfloat16()
+        variants = [(p, m, None) for p, m in zip(paths, modules)]
+        variants += [(f"{paths[-1]} {stage}:{cfg}", modules[-1], (stage, cfg)) for stage, cfg in overrides]
+
+        def step(module, override):
+            # (enable_grad: the profiler's caller may not)
+            with override_backward(override[0], **override[1]) if override else contextlib.nullcontext(), \
+                    torch.enable_grad():
+                o, _ = module.chunk_gated_delta_rule(**x)
+                return torch.autograd.grad(o, leaves, do)
+
+        base = None
+        for label, module, override in variants:
+            with poisoned_memory():
+                grads = step(module, override)
+            torch.cuda.synchronize()
+            if base is None:
+                base = grads
+            diff = {n: dict(rel_l2=((a.float() - b.float()).norm() / b.float().norm()).item(),
+                            max_abs=(a.float() - b.float()).abs().max().item(), nan=bool(a.isnan().any()))
+                    for n, a, b in zip(("q", "k", "v", "g", "beta"), grads, base)}
+            record(dict(case, variant=label, check="grads vs the first module", diff=diff))
+        for round_ in range(2):
+            for label, module, override in variants:
+                def run(module=module, override=override):
+                    step(module, override)
+                run()
+                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(run, warmup=30, rep=300, return_mode="median")
+                record(dict(case, variant=label, mode="fwd+bwd", round=round_, ms=round(ms, 4),
+                            peak_mib=torch.cuda.max_memory_allocated() >> 20))
+        if args.profile:
+            for label, module, override in variants[:len(paths)]:
+                times = kernel_times(lambda: step(module, override))
+                record(dict(case, variant=label, kernels_us={k[:40]: round(v, 1) for k, v in times.items()}))
+
+
+if __name__ == "__main__":
+    main()
