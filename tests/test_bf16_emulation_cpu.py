@@ -266,3 +266,13 @@ def test_float16_intermediates_bf16_gradients(bf16_interpreter, spec_variant):
     fake = getattr(variant, f"_{spec.chunk_function}_fake")(*op_args, *options)
     assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in fake]
     assert real[3].dtype == real[4].dtype == torch.float16 and real[4].numel() > 0, [t.dtype for t in real]
+
+
+def test_gdn_bf16_dk_rounded_once(bf16_interpreter):
+    """Since stop 38 the wy stage runs before the chunk stage and dK is written once, its WY terms added in
+    float32 (before, the chunk stage wrote a bf16 dK that the wy stage read back and completed): bf16 dk
+    3.84e-3 -> 3.40e-3 of float64 at this shape (emulated; every other gradient within 1%). The bound sits
+    between the two, so a path that rounds dK twice again fails it."""
+    errors = gradient_errors("gated_delta_rule", {}, seed=0, B=1, T=256, H=2, HV=4, K=64, V=64)
+    assert errors["k"] <= 3.6e-3, errors
+    assert all(e <= 3.5e-3 for n, e in errors.items() if n != "k"), errors
