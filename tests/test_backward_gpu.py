@@ -92,8 +92,9 @@ def test_backward_bitwise_repeat_gpu():
 
 
 @pytest.mark.parametrize("config", [
-    dict(chunk=dict(BK=64, BV=128, PERSISTENT=1), wy=dict(PERSISTENT=1), wy_prep=dict(PERSISTENT=2)),
-    dict(chunk=dict(BK=64, BV=64, num_warps=8, PERSISTENT=1), wy=dict(num_warps=8, PERSISTENT=2), wy_prep=dict(PERSISTENT=4)),
+    dict(chunk=dict(BK=64, BV=128, PERSISTENT=1), wy=dict(PERSISTENT=1, num_stages=1), wy_prep=dict(PERSISTENT=2)),
+    dict(chunk=dict(BK=64, BV=64, num_warps=8, PERSISTENT=1), wy=dict(num_warps=8, PERSISTENT=2, num_stages=1),
+         wy_prep=dict(PERSISTENT=4)),
 ])
 def test_backward_persistent_grid_matches_one_program_per_tile_gpu(config):
     """The wy_prep, chunk and wy stages' persistent grid (PERSISTENT programs per SM looping over the tiles, the
