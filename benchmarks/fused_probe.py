@@ -74,6 +74,19 @@ def inputs(B, T, H, HV, K=128, V=128, seed=0, grad=False):
     return x
 
 
+def row_writer(path):
+    """A function that prints a row as JSON and appends it to ``path`` (when given) as soon as it is measured
+    (a device run cut at its limit still returns the file)."""
+    out = open(path, "a") if path else None
+
+    def record(row):
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+    return record
+
+
 def parse_tile(text):
     """"BV,warps,stages[,tma]" -> (BV, warps, stages, tma)."""
     fields = text.split(",")
@@ -99,13 +112,7 @@ def main():
     folder = Path(tempfile.mkdtemp())
     policies = args.intermediates.split() + (["split"] if args.split and "split" not in args.intermediates.split() else [])
     variants = {policy: policy_module(folder, policy) for policy in policies}
-    out = open(args.out, "a") if args.out else None
-
-    def record(row):
-        print(json.dumps(row), flush=True)
-        if out:
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+    record = row_writer(args.out)
 
     def op(module):
         return getattr(module, "chunk_" + module.SPEC.name)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -25,13 +23,6 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
-
-
-def load(path: str, index: int):
-    module_spec = importlib.util.spec_from_file_location(f"gdr_variant_{index}", ROOT / path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def parse_override(text: str):
@@ -48,20 +39,14 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from benchmarks.fused_probe import inputs
+    from benchmarks.fused_probe import inputs, load_module, row_writer
     from benchmarks.tuner_timing_check import kernel_times
     from gdngen.runtime.backward_tiles import override_backward
     from gdngen.selfcheck import poisoned_memory
     paths = args.modules.split()
-    modules = [load(p, i) for i, p in enumerate(paths)]
+    modules = [load_module(ROOT / p, f"gdr_variant_{i}") for i, p in enumerate(paths)]
     overrides = [parse_override(t) for t in args.bwd_tiles.split()]
-    out = open(args.out, "a") if args.out else None
-
-    def record(row):
-        print(json.dumps(row), flush=True)
-        if out:
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+    record = row_writer(args.out)
 
     for text in args.cases.split():
         B, T, H, HV = (int(n) for n in text.split(","))
