@@ -113,13 +113,15 @@ def test_backward_problem_names_the_rule(stage, config, why):
 
 def test_backward_persistent_grid_is_a_tuning_option_where_a_kernel_has_one():
     """PERSISTENT (programs per SM, absent = one program per tile) is an optional key of the wy_prep,
-    chunk and wy backward stages (scalar decay; wy_prep for every spec), tried after the plain tiles."""
-    for stage, per_channel, offered in (("chunk_bwd", False, True), ("chunk_bwd", True, False),
-                                        ("wy_bwd", False, True), ("wy_bwd", True, False),
-                                        ("wy_prep_bwd", True, True), ("intra_bwd", False, False),
-                                        ("state_bwd", False, False)):
-        default = default_backward_tiles(RUNTIME[stage], K=128, V=128, BT=64, N=1, HV=32, dtype=BF16)
-        found = space.candidates(stage, K=128, V=128, BT=64, dtype=BF16, default=default, device=H200,
+    chunk and wy backward stages (scalar decay; wy_prep for every spec), tried after the plain tiles
+    where it fits (the scalar wy kernel's persistent twin needs 232 KiB at K=V=128: offered at 64)."""
+    for stage, per_channel, offered, dim in (("chunk_bwd", False, True, 128), ("chunk_bwd", True, False, 128),
+                                             ("wy_bwd", False, False, 128), ("wy_bwd", False, True, 64),
+                                             ("wy_bwd", True, False, 128),
+                                             ("wy_prep_bwd", True, True, 128), ("intra_bwd", False, False, 128),
+                                             ("state_bwd", False, False, 128)):
+        default = default_backward_tiles(RUNTIME[stage], K=dim, V=dim, BT=64, N=1, HV=32, dtype=BF16)
+        found = space.candidates(stage, K=dim, V=dim, BT=64, dtype=BF16, default=default, device=H200,
                                  per_channel=per_channel)
         assert (dict(default, PERSISTENT=1) in found) == offered, (stage, per_channel)
         if offered:      # after every one-program-per-tile config, the default's own twin first
@@ -136,6 +138,23 @@ def test_backward_persistent_grid_is_a_tuning_option_where_a_kernel_has_one():
     # shared memory: every load of the tile loop buffered per stage
     assert space.smem_bytes("chunk_bwd", dict(chunk, PERSISTENT=1), BT=64, dtype=BF16) > \
         space.smem_bytes("chunk_bwd", chunk, BT=64, dtype=BF16)
+
+
+def test_persistent_wy_bwd_shared_memory_counts_every_unrolled_load():
+    """The scalar wy_bwd kernel unrolls its value and key tiles, and a persistent grid buffers each load site
+    per pipeline stage: the estimate follows the offline sm_90 figures (bf16, BK=BV=64, two stages: 232 KiB at
+    K=V=128, 144 at K=128 / V=64, 96 at K=V=64), so the two-stage config is pruned at K=V=128 on the H200 (it
+    failed to compile there at stop 38) and offered at K=V=64."""
+    wy = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2, "PERSISTENT": 1}
+    for (K, V), offline_kib in (((128, 128), 232), ((128, 64), 144), ((64, 64), 96)):
+        kib = space.smem_bytes("wy_bwd", wy, BT=64, dtype=BF16, K=K, V=V) / 1024
+        assert offline_kib <= kib <= 1.1 * offline_kib, (K, V, kib)
+    assert "shared memory" in space.fits("wy_bwd", wy, BT=64, dtype=BF16, device=H200, K=128, V=128)
+    assert space.fits("wy_bwd", wy, BT=64, dtype=BF16, device=H200, K=64, V=64) is None
+    default = default_backward_tiles("wy", **SHAPE)
+    pruned = []
+    found = space.candidates("wy_bwd", K=128, V=128, BT=64, dtype=BF16, default=default, device=H200, pruned=pruned)
+    assert wy not in found and any(c == wy and "shared memory" in why for c, why in pruned)
 
 
 def test_backward_persistent_entry_round_trip(isolated_cache):

@@ -247,7 +247,10 @@ def regs_per_thread(stage: str, config: dict, *, BT: int, per_channel: bool = Fa
     return math.ceil(live / (32 * config["num_warps"])) + REG_OVERHEAD
 
 
-def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
+def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype, K: Optional[int] = None,
+               V: Optional[int] = None) -> int:
+    """Estimated shared bytes of one program. ``K`` and ``V`` (the head dims) let a persistent kernel whose
+    tile loops are unrolled count every load site it buffers (scalar wy_bwd); without them, one site per tile."""
     BK, BV, e = config["BK"], config.get("BV", 0), _esize(dtype)
     if stage == "wy":
         streamed, resident = BT * BK, BT * BT
@@ -273,17 +276,25 @@ def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype) -> int:
     if config.get("PERSISTENT"):
         # the pipeliner buffers every load of the tile loop, one copy per stage (offline sm_90: chunk_bwd
         # 156 KB at BK=64, BV=128, two stages; benchmarks/results/2026-12-01-offline-stop30-persistent-backward.md)
+        if stage == "wy_bwd" and K is not None and V is not None:
+            # the wy-first kernel (stop 38) unrolls its value and key tiles: k and S per (value, key) tile
+            # pair, v and dV_new per value tile, k again per key tile for K K^T, and T, each its own buffer.
+            # Offline sm_90 (Triton 3.9, bf16, BK=BV=64, two stages): 232 KiB at K=V=128 (this: 240), 144 at
+            # K=128 / V=64 (144), 96 at K=V=64 (96)
+            nk, nv = -(-K // BK), -(-V // BV)
+            # (T among them; the offline figures leave nothing else resident beside them)
+            streamed, resident = nv * nk * (BT * BK + BK * BV) + nv * 2 * BT * BV + nk * BT * BK + BT * BT, 0
         return config["num_stages"] * (streamed + resident) * e
     return (config["num_stages"] * streamed + resident) * e
 
 
 def fits(stage: str, config: dict, *, BT: int, dtype: torch.dtype, device: Optional[DeviceInfo],
-         per_channel: bool = False) -> Optional[str]:
-    """None when the config passes the estimates, else why it does not."""
+         per_channel: bool = False, K: Optional[int] = None, V: Optional[int] = None) -> Optional[str]:
+    """None when the config passes the estimates, else why it does not (``K``, ``V``: see smem_bytes)."""
     regs = regs_per_thread(stage, config, BT=BT, per_channel=per_channel)
     if regs > REG_LIMIT:
         return f"~{regs} registers/thread > {REG_LIMIT}"
-    smem, limit = smem_bytes(stage, config, BT=BT, dtype=dtype), (device.smem if device else SMEM_FALLBACK)
+    smem, limit = smem_bytes(stage, config, BT=BT, dtype=dtype, K=K, V=V), (device.smem if device else SMEM_FALLBACK)
     if smem > limit:
         return f"~{smem // 1024} KiB shared memory > {limit // 1024} KiB"
     return None
@@ -434,7 +445,7 @@ def candidates(stage: str, *, K: int, V: int, BT: int, dtype: torch.dtype, defau
         elif is_backward(stage) and backward_problem(stage, config, K=K, V=V):
             why = f"hard rule: {backward_problem(stage, config, K=K, V=V)}"
         else:
-            why = fits(stage, config, BT=BT, dtype=dtype, device=device, per_channel=per_channel)
+            why = fits(stage, config, BT=BT, dtype=dtype, device=device, per_channel=per_channel, K=K, V=V)
         if why:
             if pruned is not None:
                 pruned.append((config, why))
