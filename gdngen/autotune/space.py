@@ -278,11 +278,10 @@ def smem_bytes(stage: str, config: dict, *, BT: int, dtype: torch.dtype, K: Opti
         # 156 KB at BK=64, BV=128, two stages; benchmarks/results/2026-12-01-offline-stop30-persistent-backward.md)
         if stage == "wy_bwd" and K is not None and V is not None:
             # the wy-first kernel (stop 38) unrolls its value and key tiles: k and S per (value, key) tile
-            # pair, v and dV_new per value tile, k again per key tile for K K^T, and T, each its own buffer.
-            # Offline sm_90 (Triton 3.9, bf16, BK=BV=64, two stages): 232 KiB at K=V=128 (this: 240), 144 at
-            # K=128 / V=64 (144), 96 at K=V=64 (96)
+            # pair, v and dV_new per value tile, k again per key tile for K K^T, and T, each its own buffer,
+            # and nothing resident beside them. Offline sm_90 (Triton 3.9, bf16, BK=BV=64, two stages):
+            # 232 KiB at K=V=128 (this: 240), 144 at K=128 / V=64 (144), 96 at K=V=64 (96)
             nk, nv = -(-K // BK), -(-V // BV)
-            # (T among them; the offline figures leave nothing else resident beside them)
             streamed, resident = nv * nk * (BT * BK + BK * BV) + nv * 2 * BT * BV + nk * BT * BK + BT * BT, 0
         return config["num_stages"] * (streamed + resident) * e
     return (config["num_stages"] * streamed + resident) * e
