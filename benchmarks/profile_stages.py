@@ -34,7 +34,7 @@ CASES = [(4, 8192, 16, 32), (1, 131072, 16, 32), (8, 2048, 16, 16), (1, 32768, 2
 K = V = 128
 DEVICE = "cuda"
 SWEEP = {
-    "wy": [dict(BK=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product([32, 64], [2, 4, 8], [1, 2])],
+    "wy": [dict(BK=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product([32, 64], [1, 2, 4, 8], [1, 2])],
     "state": [dict(BV=bv, num_warps=w, num_stages=s)
               for bv, w, s in itertools.product([16, 32, 64], [4, 8], [2, 3])],   # 1 stage: illegal address (GDN)
     "output": [dict(BK=bk, BV=bv, num_warps=w, num_stages=s)
