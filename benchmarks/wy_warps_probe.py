@@ -1,0 +1,77 @@
+"""The forward's wy stage at its default warps against an override, in one process (CUDA only; stop 39).
+
+    python benchmarks/wy_warps_probe.py [--cases "4,8192,16,32 1,32768,32,32 1,32768,2,8"] [--against 1] [--out rows.jsonl]
+
+Stop 39's sweep timed one warp 0.547 ms against the default two's 0.605 for the whole (4,8192,16,32)
+forward, without checking the output; ``--against 1`` checks it and times the other rows.
+
+Per case: the no-grad forward's output and final state at the default wy tiles against ``num_warps=--against``
+(the largest absolute and the relative L2 difference), then both timed with ``do_bench`` (median, two
+rounds interleaved) and the wy kernel's device time (torch.profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+from benchmarks.fused_probe import row_writer  # noqa: E402
+from gdngen.bench import Case, make_inputs  # noqa: E402
+from gdngen.runtime import override  # noqa: E402
+from gdngen.spec import load_spec  # noqa: E402
+
+
+def wy_us(fn) -> float:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    times = [e.device_time_total for e in prof.key_averages() if e.key.startswith("_wy_fwd")]
+    return sum(times) / 5 if times else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 1,32768,2,8")
+    parser.add_argument("--against", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    record = row_writer(args.out)
+    spec = load_spec("specs/gated_delta_rule.yaml")
+    from generated.gated_delta_rule import chunk_gated_delta_rule as op
+    for text in args.cases.split():
+        B, T, H, HV = (int(x) for x in text.split(","))
+        x = make_inputs(spec, Case(text, B, T, H, HV), torch.bfloat16, "cuda")
+        x = {n: t for n, t in x.items() if n in ("q", "k", "v", "g", "beta")}
+
+        def fwd():
+            with torch.no_grad():
+                return op(**x, output_final_state=True)
+
+        o, ht = fwd()
+        with override(spec.name, "wy", num_warps=args.against):
+            o2, ht2 = fwd()
+        case = dict(B=B, T=T, H=H, HV=HV)
+        record(dict(case, check=f"default against num_warps={args.against}",
+                    o_max_abs=(o.float() - o2.float()).abs().max().item(),
+                    o_rel_l2=((o.float() - o2.float()).norm() / o2.float().norm()).item(),
+                    ht_max_abs=(ht - ht2).abs().max().item(), finite=bool(torch.isfinite(o).all())))
+        for rnd in range(2):
+            for label in ("default", f"num_warps={args.against}"):
+                if label == "default":
+                    ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                    us = wy_us(fwd) if rnd == 0 else None
+                else:
+                    with override(spec.name, "wy", num_warps=args.against):
+                        ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                        us = wy_us(fwd) if rnd == 0 else None
+                record(dict(case, variant=label, round=rnd, fwd_ms=round(ms, 4), wy_us=us))
+
+
+if __name__ == "__main__":
+    main()
