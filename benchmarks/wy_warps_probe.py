@@ -12,6 +12,7 @@ rounds interleaved) and the wy kernel's device time (torch.profiler).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -60,16 +61,14 @@ def main():
         record(dict(case, check=f"default against num_warps={args.against}",
                     o_max_abs=(o.float() - o2.float()).abs().max().item(),
                     o_rel_l2=((o.float() - o2.float()).norm() / o2.float().norm()).item(),
-                    ht_max_abs=(ht - ht2).abs().max().item(), finite=bool(torch.isfinite(o).all())))
+                    ht_max_abs=(ht - ht2).abs().max().item(), finite=bool(torch.isfinite(o2).all())))
+        variants = (("default", contextlib.nullcontext),
+                    (f"num_warps={args.against}", lambda: override(spec.name, "wy", num_warps=args.against)))
         for rnd in range(2):
-            for label in ("default", f"num_warps={args.against}"):
-                if label == "default":
+            for label, tiles in variants:
+                with tiles():
                     ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
                     us = wy_us(fwd) if rnd == 0 else None
-                else:
-                    with override(spec.name, "wy", num_warps=args.against):
-                        ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-                        us = wy_us(fwd) if rnd == 0 else None
                 record(dict(case, variant=label, round=rnd, fwd_ms=round(ms, 4), wy_us=us))
 
 
