@@ -21,19 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from benchmarks.fused_probe import row_writer  # noqa: E402
-from gdngen.bench import Case, make_inputs  # noqa: E402
+from benchmarks.fused_probe import inputs, row_writer  # noqa: E402
+from benchmarks.tuner_timing_check import kernel_times  # noqa: E402
 from gdngen.runtime import override  # noqa: E402
 from gdngen.spec import load_spec  # noqa: E402
 
 
 def wy_us(fn) -> float:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-    times = [e.device_time_total for e in prof.key_averages() if e.key.startswith("_wy_fwd")]
-    return sum(times) / 5 if times else float("nan")
+    """The forward wy kernel's device time per call (us)."""
+    return sum(us for name, us in kernel_times(fn).items() if name.startswith("_wy_fwd"))
 
 
 def main():
@@ -47,8 +43,7 @@ def main():
     from generated.gated_delta_rule import chunk_gated_delta_rule as op
     for text in args.cases.split():
         B, T, H, HV = (int(x) for x in text.split(","))
-        x = make_inputs(spec, Case(text, B, T, H, HV), torch.bfloat16, "cuda")
-        x = {n: t for n, t in x.items() if n in ("q", "k", "v", "g", "beta")}
+        x = inputs(B, T, H, HV)
 
         def fwd():
             with torch.no_grad():
