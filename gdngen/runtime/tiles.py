@@ -40,7 +40,7 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
     """Launch parameters that compile for every head dim up to 256 (tl.dot needs tiles >= 16).
 
     The numbers come from the stage sweep on the H200 (benchmarks/NOTES.md): the WY stage is
-    latency-bound and prefers two warps; the state pass wants wide V tiles only while that still
+    latency-bound and prefers one warp (two for float32 inputs); the state pass wants wide V tiles only while that still
     leaves a program per SM; the output stage prefers one V tile per chunk (QK^T computed once).
     """
     pk, pv = max(16, next_pow2(K)), max(16, next_pow2(V))
@@ -59,7 +59,10 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             # BK=32/4 warps 238 registers, modelled 0.74 ms (0.58 before); 8 warps 125 registers,
             # 0.44 (0.41 before) - worth a new sweep of the warps on the H200.
             return {"BK": min(32, pk), "num_warps": 4, "num_stages": 1}
-        return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
+        # One warp for 16-bit inputs: the whole (4,8192,16,32) bf16 forward 0.547 ms against 0.605 at
+        # two warps (H200, stop 39 sweep; offline sm_90 182 registers, no spill). float32 inputs keep
+        # two warps: one would need more than 255 registers.
+        return {"BK": min(64, pk), "num_warps": 1 if dtype.itemsize <= 2 else 2, "num_stages": 2}
     if stage == "state_output":
         # The state pass writing the output too (a forward nothing differentiates, fused_output):
         # value tiles of at most 32 and two pipeline stages. H200, K=V=128 bf16, forward ms with
