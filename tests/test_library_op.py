@@ -27,7 +27,8 @@ def test_chunk_op_is_registered(name):
     packet = getattr(torch.ops.gdngen, spec.chunk_function)
     schema = str(packet.default._schema)
     assert schema.startswith(f"gdngen::{spec.chunk_function}(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta")
-    assert schema.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor)")   # o, final state, kept states, T, V_new
+    # o, final state, then what the backward keeps: states, T, V_new, gates
+    assert schema.endswith("-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
     assert hasattr(torch.ops.gdngen, f"{spec.chunk_function}_backward")
 
 
@@ -82,8 +83,8 @@ def test_backward_op_shapes_no_mutation_no_alias(device):
     # replay creates inside the kernel ("Cannot access storage of TensorWrapper"). The fake kernel
     # is exercised by the torch.compile tests below (AOTAutograd traces this op with fake tensors);
     # mutation and aliasing are checked directly.
-    states = tmat = values = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
-    args = (*args[:9], states, tmat, values, *args[9:])
+    states = tmat = values = gates = torch.empty(0, device=q.device)      # none kept: the backward recomputes them
+    args = (*args[:9], states, tmat, values, gates, *args[9:])
     before = [x.clone() if isinstance(x, torch.Tensor) else x for x in (do, dht, *args)]
     grads = torch.ops.gdngen.chunk_gated_delta_rule_backward(do, dht, needs, *args)
     for x, y in zip((do, dht, *args), before):
@@ -109,7 +110,7 @@ def test_backward_from_kept_states_equals_recompute(varlen, device):
     args = _op_args("gated_delta_rule", device, grad=False, **kwargs)
     inputs, options = args[:9], args[9:]
     with override("gated_delta_rule", "store_wu", value=False):
-        o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+        o, ht, states, tmat, values, gates = torch.ops.gdngen.chunk_gated_delta_rule(*args)
     B, T = args[0].shape[:2]
     N = B if not varlen else 3
     assert states.shape == (chunk_state_rows(B, T, 16, N if varlen else None), 2, 16, 16)
@@ -118,10 +119,11 @@ def test_backward_from_kept_states_equals_recompute(varlen, device):
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     needs = [True, True, True, True, True, True, False, False, False]
     backward = torch.ops.gdngen.chunk_gated_delta_rule_backward
-    kept = backward(do, dht, needs, *inputs, states, tmat, values, *options)
-    no_values = backward(do, dht, needs, *inputs, states, tmat, values[:0], *options)
-    states_only = backward(do, dht, needs, *inputs, states, tmat[:0], values[:0], *options)
-    recomputed = backward(do, dht, needs, *inputs, states[:0], tmat[:0], values[:0], *options)
+    assert gates.shape == (2, B, T, 2) and gates.dtype == torch.float32
+    kept = backward(do, dht, needs, *inputs, states, tmat, values, gates, *options)
+    no_values = backward(do, dht, needs, *inputs, states, tmat, values[:0], gates, *options)
+    states_only = backward(do, dht, needs, *inputs, states, tmat[:0], values[:0], gates[:0], *options)
+    recomputed = backward(do, dht, needs, *inputs, states[:0], tmat[:0], values[:0], gates[:0], *options)
     for other in (no_values, states_only, recomputed):
         for a, b, need in zip(kept, other, needs):
             assert a.shape == b.shape and (a.numel() > 0) == need and torch.isfinite(a).all()
@@ -134,14 +136,14 @@ def _kept_call(device):
     from gdngen.runtime.tiles import override
     args = _op_args("gated_delta_rule", device, grad=False, B=1, T=37)
     with override("gated_delta_rule", "store_wu", value=False):
-        o, ht, states, tmat, values = torch.ops.gdngen.chunk_gated_delta_rule(*args)
+        o, ht, states, tmat, values, gates = torch.ops.gdngen.chunk_gated_delta_rule(*args)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     needs = [True] * 6 + [False] * 3
     backward_op = torch.ops.gdngen.chunk_gated_delta_rule_backward
 
-    def backward(states, tmat, values):
-        return backward_op(do, dht, needs, *args[:9], states, tmat, values, *args[9:])
-    return args, o, (states, tmat, values), backward
+    def backward(states, tmat, values, kept_gates=gates):
+        return backward_op(do, dht, needs, *args[:9], states, tmat, values, kept_gates, *args[9:])
+    return args, o, (states, tmat, values, gates), backward
 
 
 @contextlib.contextmanager
@@ -163,7 +165,7 @@ def test_kept_tmat_is_used_not_recomputed(device):
     """With the forward's T passed, the backward launches no wy kernel, and a T that differs from
     the forward's changes the gradients (so it is really read)."""
     module = _module("gated_delta_rule")
-    _, _, (states, tmat, values), backward = _kept_call(device)
+    _, _, (states, tmat, values, _), backward = _kept_call(device)
     launched = []
     with _launches(module._WY_KERNELS[16], launched):
         base = backward(states, tmat, values)
@@ -179,12 +181,15 @@ def test_kept_values_are_used_not_recomputed(device):
     the gradients read the kept V_new: a V_new that differs from the forward's changes them."""
     from gdngen.runtime.tiles import override
     module = _module("gated_delta_rule")
-    args, o, (states, tmat, values), backward = _kept_call(device)
-    launches = []
-    with _launches(module._wy_bwd_prep_kernel, launches):
+    args, o, (states, tmat, values, _), backward = _kept_call(device)
+    # (on CUDA a first call's compile-ahead dry run records the same launches once more)
+    kept, dropped = [], []
+    with _launches(module._wy_bwd_prep_kernel, kept):
         base = backward(states, tmat, values)
+    with _launches(module._wy_bwd_prep_kernel, dropped):
         backward(states, tmat, values[:0])
-    assert [kw["COMPUTE_VALUES"] for kw in launches] == [False, True]
+    assert kept and dropped
+    assert [kw["COMPUTE_VALUES"] for kw in kept + dropped] == [False] * len(kept) + [True] * len(dropped)
     changed = backward(states, tmat, values * 1.01)
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], changed[:5]))
     # the switch: a forward told not to keep V_new returns an empty fifth output, fake and real alike
@@ -192,6 +197,30 @@ def test_kept_values_are_used_not_recomputed(device):
         dropped = torch.ops.gdngen.chunk_gated_delta_rule(*args)
         fake = module._chunk_gated_delta_rule_fake(*args)
     assert dropped[4].numel() == 0 and fake[4].numel() == 0 and torch.equal(dropped[0], o)
+
+
+def test_kept_gates_are_used_not_recomputed(device):
+    """With the forward's gates passed ([2, B, T, HV] float32: g_cum, then the activated beta), the
+    backward launches no gates stage of its own and gives the recomputing backward's gradients
+    bitwise; gates that differ from the forward's change the gradients (so they are really read)."""
+    module = _module("gated_delta_rule")
+    args, _, (states, tmat, values, gates), backward = _kept_call(device)
+    B, T, HV = args[2].shape[:3]
+    assert gates.shape == (2, B, T, HV) and gates.dtype == torch.float32
+    assert module._chunk_gated_delta_rule_fake(*args)[5].shape == gates.shape
+    launched = []
+    with _launches(module._gates_fwd_kernel, launched):
+        base = backward(states, tmat, values)
+        assert not launched
+        recomputed = backward(states, tmat, values, gates[:0])
+        assert launched                  # (on CUDA a first call's compile-ahead dry run records it twice)
+    for a, b in zip(base, recomputed):
+        assert torch.equal(a, b)
+    for row in range(2):                 # g_cum, then beta_act
+        changed = gates.clone()
+        changed[row] *= 1.01
+        moved = backward(states, tmat, values, changed)
+        assert any((a - b).abs().max() > 1e-6 for a, b in zip(base[:5], moved[:5])), row
 
 
 def test_backward_materialises_no_state_sized_zeros(device):

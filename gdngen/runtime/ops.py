@@ -25,6 +25,16 @@ def present(x: torch.Tensor, wanted: bool) -> Optional[torch.Tensor]:
     return x if wanted else None
 
 
+def kept_gate_pair(gates: Optional[torch.Tensor], g: Optional[torch.Tensor],
+                   beta: Optional[torch.Tensor]) -> Optional[tuple]:
+    """The forward's kept gates as the backward's ``(g_cum, beta_act)``, or None where it kept none
+    (None or an empty tensor). ``gates`` is ``[n, B, T, HV]`` float32: g_cum first where ``g`` is
+    given, then the activated beta where ``beta`` is; the absent one's entry is None."""
+    if gates is None or gates.numel() == 0 or (g is None and beta is None):
+        return None
+    return (gates[0] if g is not None else None, gates[-1] if beta is not None else None)
+
+
 def needs_autograd_function(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether an eager op call over ``tensors`` must go through its ``torch.autograd.Function``: a
     backward may follow (grad mode on and some tensor requires grad), or a forward-mode AD level or a

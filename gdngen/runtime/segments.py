@@ -87,7 +87,7 @@ def segment_bounds(chunks: int, segments: int) -> list[int]:
 
 def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v, g, beta, *, initial_state,
                              states, chunk_size: int, cu_seqlens=None, A_log=None, dt_bias=None, kept_tmat=None,
-                             kept_values=None, norm=None, gates=None, **options):
+                             kept_values=None, norm=None, gates=None, kept_gates=None, **options):
     """``backward(do, dht, q, k, v, g, beta, ...)`` (a generated ``<op>_backward``) over the whole
     call, in ``segments`` time segments when they apply (see the module text), else in one call.
 
@@ -108,6 +108,8 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     and two allocations per call instead of one per segment (4 segments at (1, 32768, 32, 32), 8 at
     (1, 131072, 16, 32)), for 8 MiB held through the backward at 32k x 32 heads. (The L2 norm's q and k, and a per-channel decay's [B, T, HV, K] cumsum, are the inputs'
     size: those stay per segment.)
+    ``kept_gates`` (or None): that pair as the forward call formed it (the op keeps it): every call gets it,
+    in one piece or cut by segments, and ``gates`` is not called.
     """
     B, T = q.shape[0], q.shape[1]
     BT = chunk_size
@@ -117,6 +119,8 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
         options["norm"] = norm
     one_call = dict(initial_state=initial_state, states=states, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                     A_log=A_log, dt_bias=dt_bias, kept_tmat=kept_tmat, kept_values=kept_values, **options)
+    if kept_gates is not None:
+        one_call["kept_gates"] = kept_gates
     if (segments <= 1 or B != 1 or cu_seqlens is not None or states is None or states.shape[0] < chunks
             or boundary_hooks() is not None):     # hooks at the state pass see the whole call once
         return backward(do, dht, q, k, v, g, beta, **one_call)
@@ -133,7 +137,7 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     if beta is not None:
         out["dbeta"] = torch.empty_like(beta)
     bounds = segment_bounds(chunks, segments)
-    shared = gates(q, k, v, g, beta) if gates is not None else None
+    shared = kept_gates if kept_gates is not None else gates(q, k, v, g, beta) if gates is not None else None
     carry = dht                         # end-state gradient of the segment being run
     sums = [None] * segments            # (dA_log, ddt_bias) per segment, float32
     for s in reversed(range(segments)):
