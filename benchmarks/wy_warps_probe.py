@@ -1,6 +1,8 @@
 """The forward's wy stage at its default warps against an override, in one process (CUDA only; stop 39).
 
     python benchmarks/wy_warps_probe.py [--cases "4,8192,16,32 1,32768,32,32 1,32768,2,8"] [--against 1] [--out rows.jsonl]
+    python benchmarks/wy_warps_probe.py --switch NAME    # the default against override(spec, NAME, value=False)
+                                                         # (stop 40: gates_in_wy, with its patch applied)
 
 Stop 39's sweep timed one warp 0.547 ms against the default two's 0.605 for the whole (4,8192,16,32)
 forward, without checking the output; ``--against 1`` checks it and times the other rows.
@@ -27,15 +29,18 @@ from gdngen.runtime import override  # noqa: E402
 from gdngen.spec import load_spec  # noqa: E402
 
 
-def wy_us(fn) -> float:
-    """The forward wy kernel's device time per call (us)."""
-    return sum(us for name, us in kernel_times(fn).items() if name.startswith("_wy_fwd"))
+def wy_us(fn) -> dict:
+    """The forward wy kernel's device time per call (us), and every kernel's together."""
+    times = kernel_times(fn)
+    return dict(wy_us=sum(us for name, us in times.items() if name.startswith("_wy_fwd")),
+                kernels_us=round(sum(times.values()), 1))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 1,32768,2,8")
     parser.add_argument("--against", type=int, default=1)
+    parser.add_argument("--switch", default=None, help="compare override(spec, SWITCH, value=False) instead of warps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = row_writer(args.out)
@@ -49,22 +54,31 @@ def main():
             with torch.no_grad():
                 return op(**x, output_final_state=True)
 
+        if args.switch:
+            label = f"{args.switch}=False"
+
+            def other():
+                return override(spec.name, args.switch, value=False)
+        else:
+            label = f"num_warps={args.against}"
+
+            def other():
+                return override(spec.name, "wy", num_warps=args.against)
         o, ht = fwd()
-        with override(spec.name, "wy", num_warps=args.against):
+        with other():
             o2, ht2 = fwd()
         case = dict(B=B, T=T, H=H, HV=HV)
-        record(dict(case, check=f"default against num_warps={args.against}",
+        record(dict(case, check=f"default against {label}",
                     o_max_abs=(o.float() - o2.float()).abs().max().item(),
                     o_rel_l2=((o.float() - o2.float()).norm() / o2.float().norm()).item(),
                     ht_max_abs=(ht - ht2).abs().max().item(), finite=bool(torch.isfinite(o2).all())))
-        variants = (("default", contextlib.nullcontext),
-                    (f"num_warps={args.against}", lambda: override(spec.name, "wy", num_warps=args.against)))
+        variants = (("default", contextlib.nullcontext), (label, other))
         for rnd in range(2):
             for label, tiles in variants:
                 with tiles():
                     ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-                    us = wy_us(fwd) if rnd == 0 else None
-                record(dict(case, variant=label, round=rnd, fwd_ms=round(ms, 4), wy_us=us))
+                    us = wy_us(fwd) if rnd == 0 else {}
+                record(dict(case, variant=label, round=rnd, fwd_ms=round(ms, 4), **us))
 
 
 if __name__ == "__main__":
