@@ -9,17 +9,16 @@ and prints the top functions by own time. CUDA only.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import importlib
 import os
-import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.host_split import host_ms, print_profile  # noqa: E402
 
 
 def main():
@@ -50,23 +49,9 @@ def main():
         torch.autograd.grad([o, h], list(x.values()), [torch.ones_like(o), torch.ones_like(h)])
 
     for name, step in (("forward", forward), ("forward+backward", train)):
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            step()
-        host = (time.perf_counter() - start) / args.calls * 1e3
-        torch.cuda.synchronize()
-        total = (time.perf_counter() - start) / args.calls * 1e3
+        host, total = host_ms(step, args.calls)
         print(f"{name}: host {host:.3f} ms per call, host+GPU {total:.3f} ms per call", flush=True)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(args.calls):
-            step()
-        profile.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+        print_profile(step, args.calls, "tottime", args.top)
 
 
 if __name__ == "__main__":

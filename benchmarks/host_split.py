@@ -48,6 +48,7 @@ class _Identity5(torch.autograd.Function):
 
 
 def host_ms(step, calls: int) -> tuple[float, float]:
+    """(host ms, host + GPU ms) per call of ``step``, ``calls`` calls back to back after three warm-ups."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -57,6 +58,17 @@ def host_ms(step, calls: int) -> tuple[float, float]:
     host = (time.perf_counter() - start) / calls * 1e3
     torch.cuda.synchronize()
     return host, (time.perf_counter() - start) / calls * 1e3
+
+
+def print_profile(step, calls: int, sort: str, top: int) -> None:
+    """cProfile of ``calls`` calls of ``step``, the ``top`` functions by ``sort`` (tottime, cumulative)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        step()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats(sort).print_stats(top)
 
 
 def main():
@@ -176,13 +188,7 @@ def main():
                 torch.cuda.synchronize()
             prof.export_chrome_trace(os.path.join(args.trace, f"{name}.json"))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.calls):
-        backward_impl()
-    profile.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("cumulative").print_stats(args.top)
+    print_profile(backward_impl, args.calls, "cumulative", args.top)
 
 
 if __name__ == "__main__":
