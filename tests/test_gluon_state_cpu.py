@@ -275,3 +275,29 @@ def test_gradients_with_w_formed_from_t(monkeypatch, pieces):
         assert (triton[n].double() - ref).norm() <= 2e-3 * scale, (n, ((triton[n].double() - ref).norm() / scale))
         assert (formed[n].double() - ref).norm() <= 1e-4 * scale, (n, ((formed[n].double() - ref).norm() / scale))
 
+
+
+def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
+    """The backward's chunk stage in Gluon (stages/backward_chunk_gluon.py.j2) is rendered where the Gluon state
+    passes are; a call it cannot take names why and keeps the Triton stage."""
+    module = importlib.import_module("generated.gated_delta_rule")
+    assert callable(module._chunk_bwd_gluon) and module.chunk_bwd_usable is gluon.chunk_bwd_usable
+    assert not hasattr(importlib.import_module("generated.delta_rule"), "_chunk_bwd_gluon")
+    q, k, do = _qkv()
+    values, h = do.to(torch.float16), torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16)
+    shape = dict(K=128, V=128, BT=64, T=128)
+    reasons = {
+        "V_new in torch.float32": dict(values=values.float()),
+        "chunk states in torch.float32": dict(h=h.float()),
+    }
+    gluon_reasons = {"chunk 32": dict(BT=32), "tensors on cpu": dict()}
+    for reason, change in gluon_reasons.items():
+        reasons[reason if gluon.AVAILABLE else "no Gluon Hopper module"] = change
+    for reason, change in reasons.items():
+        args = dict(values=values, h=h, **shape)
+        args.update(change)
+        why = gluon.chunk_bwd_unusable("gated_delta_rule", q, k, do, **args)
+        assert why is not None and reason in why, (reason, why)
+        assert not gluon.chunk_bwd_usable("gated_delta_rule", q, k, do, **args)
+    with override("gated_delta_rule", "gluon_chunk_bwd", value=False):
+        assert gluon.chunk_bwd_unusable("gated_delta_rule", q, k, do, values, h, **shape) == "turned off (override)"

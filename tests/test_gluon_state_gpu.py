@@ -162,3 +162,43 @@ def test_reverse_pass_in_gluon(monkeypatch, count_launches, shape, pieces, w_fro
     bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
     assert all(errors[True][n] <= bars[n] for n in bars if n in errors[True]), errors
     assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
+
+
+@pytest.mark.parametrize("shape", [
+    dict(B=1, T=8192, H=2, HV=4),                # one long sequence (pieces in the state passes), grouped heads
+    dict(B=3, T=2048, H=4, HV=4),                # dense sequences, dq / dk straight into the gradients
+    dict(B=2, T=1024, H=2, HV=6),                # groups of three value heads
+])
+def test_chunk_stage_in_gluon(monkeypatch, count_launches, shape):
+    """The backward's chunk stage in Gluon (the default; override gluon_chunk_bwd) against the Triton stage,
+    and both against float64. Its sums over V are one product where the Triton stage's are in tiles, so the
+    gradients differ by float32 roundings and their bf16 casts; every gradient must be as close to float64 as
+    the Triton stage's (5% slack)."""
+    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
+    module = importlib.import_module(f"generated.{NAME}")
+    launchers = {"gluon": count_launches(module, "_chunk_bwd_gluon_fast"),
+                 "triton": count_launches(module, "_chunk_bwd_fast")}
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=31, K=128, V=128, h0=True, **shape)
+    results, launches = {}, {}
+    for gluon in (True, False):
+        for counter in launchers.values():
+            counter.count = 0
+        with override(NAME, "gluon_chunk_bwd", value=gluon), poisoned_memory():
+            results[gluon] = _forward_backward(module, spec, inputs, seed=32)
+        launches[gluon] = {name: counter.count for name, counter in launchers.items()}
+    assert launches == {True: {"gluon": 1, "triton": 0}, False: {"gluon": 0, "triton": 1}}
+    (_, _, grads), (_, _, grads_triton) = results[True], results[False]
+    assert grads.keys() == grads_triton.keys() and "initial_state" in grads
+    for name in grads:
+        assert not grads[name].isnan().any(), name
+        assert rel_rmse(grads[name], grads_triton[name]) <= 2 ** -8, (name, rel_rmse(grads[name], grads_triton[name]))
+    from gdngen.selfcheck import gradient_errors
+    errors = {}
+    for gluon in (True, False):
+        with override(NAME, "gluon_chunk_bwd", value=gluon):
+            errors[gluon] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=33, K=128, V=128,
+                                            **shape)
+    bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
+    assert all(errors[True][n] <= bars[n] for n in bars if n in errors[True]), errors
+    assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors

@@ -126,3 +126,39 @@ def w_from_t_enabled(spec_name: str) -> bool:
     ``override(spec, "gluon_w_from_t", value=False)`` keeps wy_prep's W (tests compare the two)."""
     forced = _OVERRIDES.get((spec_name, "gluon_w_from_t"))
     return True if forced is None else bool(forced["value"])
+
+
+def chunk_bwd_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, values: torch.Tensor,
+                       h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> Optional[str]:
+    """Why the backward's chunk stage over these dense inputs cannot run the Gluon kernel
+    (stages/backward_chunk_gluon.py.j2), or None: :func:`state_pass_unusable`'s conditions (``do`` in the
+    values' place), V_new in a 16-bit dtype and the chunk-start states in k's (its products take them as
+    they are). ``override(spec, "gluon_chunk_bwd", value=False)`` keeps the Triton stage (tests compare the
+    two)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_chunk_bwd"))
+    if forced is not None and not forced["value"]:
+        return "turned off (override)"
+    if values.dtype not in (torch.bfloat16, torch.float16):
+        return f"V_new in {values.dtype}: a 16-bit dtype only"
+    if h.dtype != k.dtype:
+        return f"chunk states in {h.dtype}: k's dtype ({k.dtype}) only"
+    why = state_pass_unusable(spec_name, q, k, do, K=K, V=V, BT=BT, T=T)
+    if why is not None:
+        return why
+    if values.data_ptr() % 16 or h.data_ptr() % 16:
+        return "a base pointer not 16-byte aligned (TMA)"
+    return None
+
+
+def chunk_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, values: torch.Tensor,
+                     h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> bool:
+    """Whether the backward's chunk stage runs the Gluon kernel (see :func:`chunk_bwd_unusable`)."""
+    return chunk_bwd_unusable(spec_name, q, k, do, values, h, K=K, V=V, BT=BT, T=T) is None
+
+
+def chunk_bwd_prefetch(spec_name: str) -> bool:
+    """Whether the Gluon chunk stage issues each next tile's first TMA group (V_new, dO, h, dS') as soon as the
+    tile before it has read them, under that tile's epilogue. ``override(spec, "gluon_chunk_prefetch",
+    value=False)`` issues every group at its own tile's start (the A/B of stop 41)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_chunk_prefetch"))
+    return True if forced is None else bool(forced["value"])
