@@ -3,10 +3,15 @@ torch.library dispatch (which imports torch._dynamo on a process's first call); 
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import generated.gated_delta_rule as gdn
+
+# CPU tensors through the Triton interpreter, which the test session turns on only without a GPU (conftest.py):
+# on the H200 these calls would hand CPU tensors to compiled kernels (stop 40 saw all four fail there)
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: CPU tensors under the Triton interpreter")
 
 
 def _inputs(seed=0):
