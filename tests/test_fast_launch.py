@@ -190,3 +190,20 @@ def test_generated_modules_fall_back_under_the_interpreter():
     module = importlib.import_module("generated.gated_delta_rule")
     assert module._state_fwd_fast is module._state_fwd_kernel
     assert module._WY_FAST[64] is module._WY_KERNELS[64]
+
+
+def test_host_tensor_descriptors_are_keyed_not_refused():
+    """A host-built tensor descriptor argument takes the cached path: its key holds what its specialisation
+    and launch read (dtype, block shape, layout, base alignment, shape's and strides' int keys), not the base."""
+    from gdngen.runtime import gluon
+    if not gluon.AVAILABLE:
+        pytest.skip("no Gluon")
+    x, y = torch.zeros(64, 128, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
+    a, b = gluon.row_descriptor(x, 128, [64, 64]), gluon.row_descriptor(y, 128, [64, 64])
+    layout = launch._ArgLayout.of((type(a), torch.Tensor, int))
+    assert layout is not None and layout.descriptors((a, x, 3)) == (a,)
+    assert launch._descriptor_key(a) == launch._descriptor_key(b)          # another base, the same launch
+    assert launch._descriptor_key(a) != launch._descriptor_key(gluon.row_descriptor(x, 128, [32, 64]))
+    assert launch._descriptor_key(a) != launch._descriptor_key(gluon.row_descriptor(x.half(), 128, [64, 64]))
+    # rows of 72: its shape's int key (72 % 16 != 0) is another specialisation
+    assert launch._descriptor_key(a) != launch._descriptor_key(gluon.row_descriptor(torch.zeros(72, 128, dtype=torch.bfloat16), 128, [64, 64]))

@@ -301,3 +301,13 @@ def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
         assert not gluon.chunk_bwd_usable("gated_delta_rule", q, k, do, **args)
     with override("gated_delta_rule", "gluon_chunk_bwd", value=False):
         assert gluon.chunk_bwd_unusable("gated_delta_rule", q, k, do, values, h, **shape) == "turned off (override)"
+
+
+def test_row_descriptor_views_a_tensor_as_rows():
+    """The Gluon chunk stage's host-built descriptors: contiguous x seen as [numel / columns, columns] rows."""
+    if not gluon.AVAILABLE:
+        pytest.skip("no Gluon")
+    x = torch.zeros(2, 64, 4, 32, dtype=torch.bfloat16)
+    desc = gluon.row_descriptor(x, 4 * 32, [64, 64])
+    assert list(desc.shape) == [128, 128] and list(desc.strides) == [128, 1] and list(desc.block_shape) == [64, 64]
+    assert desc.layout.swizzle_byte_width == 128 and desc.base is x

@@ -176,18 +176,27 @@ def test_chunk_stage_in_gluon(monkeypatch, count_launches, shape):
     the Triton stage's (5% slack)."""
     monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
     module = importlib.import_module(f"generated.{NAME}")
-    launchers = {"gluon": count_launches(module, "_chunk_bwd_gluon_fast"),
-                 "triton": count_launches(module, "_chunk_bwd_fast")}
+    gluon_calls = []
+    original = module._chunk_bwd_gluon
+    monkeypatch.setattr(module, "_chunk_bwd_gluon", lambda *args: gluon_calls.append(1) or original(*args))
+    launchers = {"triton": count_launches(module, "_chunk_bwd_fast")}
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=31, K=128, V=128, h0=True, **shape)
     results, launches = {}, {}
     for gluon in (True, False):
-        for counter in launchers.values():
-            counter.count = 0
+        launchers["triton"].count = 0
+        gluon_calls.clear()
         with override(NAME, "gluon_chunk_bwd", value=gluon), poisoned_memory():
             results[gluon] = _forward_backward(module, spec, inputs, seed=32)
-        launches[gluon] = {name: counter.count for name, counter in launchers.items()}
+        launches[gluon] = {"gluon": len(gluon_calls), "triton": launchers["triton"].count}
     assert launches == {True: {"gluon": 1, "triton": 0}, False: {"gluon": 0, "triton": 1}}
+    # again through the cached launch path, which keys the host-built descriptors: bit for bit the first call
+    kernel = module._chunk_bwd_gluon_fast
+    misses = kernel.misses
+    with poisoned_memory():
+        again = _forward_backward(module, spec, inputs, seed=32)
+    assert kernel.misses == misses and kernel.fallbacks == 0
+    assert all(torch.equal(again[2][name], results[True][2][name]) for name in again[2])
     (_, _, grads), (_, _, grads_triton) = results[True], results[False]
     assert grads.keys() == grads_triton.keys() and "initial_state" in grads
     for name in grads:

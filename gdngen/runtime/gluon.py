@@ -24,10 +24,12 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     AVAILABLE = True
 except ImportError:                 # a Triton without Gluon's Hopper module
     import triton.language as gl    # for the kernels' constexpr annotations only: nothing is compiled
     gluon = async_copy = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    TensorDescriptor = None
     AVAILABLE = False
 
 
@@ -156,9 +158,14 @@ def chunk_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch
     return chunk_bwd_unusable(spec_name, q, k, do, values, h, K=K, V=V, BT=BT, T=T) is None
 
 
-def chunk_bwd_prefetch(spec_name: str) -> bool:
-    """Whether the Gluon chunk stage issues each next tile's first TMA group (V_new, dO, h, dS') as soon as the
-    tile before it has read them, under that tile's epilogue. ``override(spec, "gluon_chunk_prefetch",
-    value=False)`` issues every group at its own tile's start (the A/B of stop 41)."""
-    forced = _OVERRIDES.get((spec_name, "gluon_chunk_prefetch"))
-    return True if forced is None else bool(forced["value"])
+
+_ROW_TILE = None                    # the 128-byte swizzled 16-bit tile layout of the host-built descriptors
+
+
+def row_descriptor(x: torch.Tensor, columns: int, block: list):
+    """A host-built TMA descriptor over contiguous ``x`` seen as rows of ``columns`` elements ([numel / columns,
+    columns]), in ``block`` tiles of the 128-byte swizzled 16-bit layout the Gluon kernels use."""
+    global _ROW_TILE
+    if _ROW_TILE is None:
+        _ROW_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return TensorDescriptor(x, [x.numel() // columns, columns], [columns, 1], block, _ROW_TILE)

@@ -138,8 +138,11 @@ def tile_grid(config: dict, tiles: tuple, device: torch.device) -> tuple:
 #   (one kernel cache per device). The stream is no key: it is read per launch.
 # The key here holds the tensor's dtype and alignment, the int's == 1, % 16 and width class, the
 # type of floats, bools and None, every constexpr's type and value, every option's type and value,
-# those knobs, and the device. Over-keying only costs a cache entry; anything it cannot key (a
-# tuple argument, a tensor descriptor, an unhashable constexpr) takes the plain launch.
+# those knobs, and the device. A host-built tensor descriptor (Gluon's or triton.tools') specialises as
+# "tensordesc<dtype[block], layout>" and launches through the compiled launcher, which encodes its
+# CUtensorMap from base, shape and strides per call: the key holds its dtype, block shape, layout,
+# padding, base alignment and its shape's and strides' int keys. Over-keying only costs a cache entry;
+# anything it cannot key (a tuple argument, an unhashable constexpr) takes the plain launch.
 # ---------------------------------------------------------------------------------------------
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -259,18 +262,46 @@ class _CallShape:
         self.layouts = {}               # types of the runtime arguments -> _ArgLayout or None
 
 
+def _descriptor_types() -> tuple:
+    """The host tensor-descriptor classes a launch may take (Gluon's Hopper one, triton.tools')."""
+    types = []
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+        types.append(GluonDescriptor)
+    except ImportError:
+        pass
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor as ToolsDescriptor
+        types.append(ToolsDescriptor)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_DESCRIPTORS = _descriptor_types()
+
+
+def _descriptor_key(desc) -> tuple:
+    """What a host tensor descriptor's specialisation and launch read off it, but its base's address."""
+    return (desc.base.dtype, tuple(desc.block_shape), desc.layout, desc.padding, desc.base.data_ptr() & 15 == 0,
+            tuple(map(_int_key_cached, desc.shape)), tuple(map(_int_key_cached, desc.strides)),
+            getattr(desc, "round_f32_to_tf32", False))
+
+
 class _ArgLayout:
-    """Where the tensors and the ints are among the runtime arguments, for one tuple of their types."""
-    __slots__ = ("tensors", "ints")
+    """Where the tensors, the ints and the tensor descriptors are among the runtime arguments, for one
+    tuple of their types."""
+    __slots__ = ("tensors", "ints", "descriptors")
 
     def __init__(self, types):
         self.tensors = _picker([i for i, t in enumerate(types) if issubclass(t, _TENSOR)])
         self.ints = _picker([i for i, t in enumerate(types) if t is int])
+        self.descriptors = _picker([i for i, t in enumerate(types) if t in _DESCRIPTORS])
 
     @staticmethod
     def of(types):
-        """The layout, or None where a type is not one the key covers (tuples, descriptors, ...)."""
-        if all(t in _KEYED_SCALARS or issubclass(t, _TENSOR) for t in types):
+        """The layout, or None where a type is not one the key covers (tuples, ...)."""
+        if all(t in _KEYED_SCALARS or t in _DESCRIPTORS or issubclass(t, _TENSOR) for t in types):
             return _ArgLayout(types)
         return None
 
@@ -401,6 +432,7 @@ class FastLaunch:
                 tuple(map(_dtype_of, tensors)),
                 aligned,
                 tuple(map(_int_key_cached, layout.ints(runtime))),
+                tuple(map(_descriptor_key, layout.descriptors(runtime))),
                 constexprs, tuple(map(type, constexprs)), options, tuple(map(type, options)),
                 self._runtime_knobs.debug, ck.instrumentation_mode,
                 ck.fpsan_homomorphic_casts if self._keys_fpsan else None)
