@@ -6,7 +6,9 @@ The first is the delta rule's fused forward state pass (stages/state_gluon.py.j2
 arriving by TMA. In Triton 3.6 that layout (BV = V = 128, 8 warps) spills; written out in Gluon it does
 not (benchmarks/NOTES.md, stop 34). Since stop 35 it forms the output's scores from its own q and k tiles,
 and a forward for a backward runs it too, writing the chunk-start states and V_new beside the output
-(:func:`gluon_training`).
+(:func:`gluon_training`). Since stop 41 the backward's chunk stage has a Gluon kernel as well
+(stages/backward_chunk_gluon.py.j2, :func:`chunk_bwd_usable`): a tile kernel whose TMA descriptors are built
+on the host (:func:`row_descriptor`), since on the device each of its many short programs paid for its own.
 
 On a Triton without Gluon (or without its Hopper module) the names below are None and
 :func:`state_pass_usable` answers False, so the Triton pass serves every call.
@@ -156,7 +158,6 @@ def chunk_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch
                      h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> bool:
     """Whether the backward's chunk stage runs the Gluon kernel (see :func:`chunk_bwd_unusable`)."""
     return chunk_bwd_unusable(spec_name, q, k, do, values, h, K=K, V=V, BT=BT, T=T) is None
-
 
 
 _ROW_TILE = None                    # the 128-byte swizzled 16-bit tile layout of the host-built descriptors
