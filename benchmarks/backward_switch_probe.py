@@ -5,14 +5,14 @@ process (CUDA only; stop 41).
 
 Per case: every gradient (q, k, v, g, beta) at the default against the switch turned off (the largest absolute
 and the relative L2 difference, and whether it is finite), then both steps timed with ``do_bench`` (median, two
-rounds interleaved) and, in the first round, each kernel's device time per step (torch.profiler).
+rounds interleaved) and, in the first round, each kernel's device time per step
+(``tuner_timing_check.kernel_times``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,24 +21,9 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from benchmarks.fused_probe import inputs, row_writer  # noqa: E402
+from benchmarks.tuner_timing_check import kernel_times  # noqa: E402
 from gdngen.runtime import override  # noqa: E402
 from gdngen.spec import load_spec  # noqa: E402
-
-
-def step_kernel_us(step, reps=10) -> dict:
-    """Each kernel's device us per training step (torch.profiler), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    totals = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time / reps
-    return {name: round(us, 1) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
 def main():
@@ -83,7 +68,8 @@ def main():
             for label, switch in variants:
                 with switch():
                     ms = triton.testing.do_bench(step, warmup=10, rep=60, return_mode="median")
-                    us = dict(kernels_us=step_kernel_us(step)) if rnd == 0 else {}
+                    times = kernel_times(step, reps=10, grad=True) if rnd == 0 else None
+                    us = dict(kernels_us={k: round(v, 1) for k, v in times.items()}) if times else {}
                 record(dict(case, variant=label, round=rnd, fwd_bwd_ms=round(ms, 4), **us))
 
 

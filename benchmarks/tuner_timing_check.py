@@ -75,12 +75,13 @@ def main():
                     f.write(json.dumps(row) + "\n")
 
 
-def kernel_times(call, reps=20):
-    """Per-kernel device us per call (torch.profiler) of a warmed-up call."""
+def kernel_times(call, reps=20, grad=False):
+    """Per-kernel device us per call (torch.profiler) of a warmed-up call (under no_grad unless ``grad``:
+    a training step)."""
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         call()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -207,3 +207,13 @@ def test_host_tensor_descriptors_are_keyed_not_refused():
     assert launch._descriptor_key(a) != launch._descriptor_key(gluon.row_descriptor(x.half(), 128, [64, 64]))
     # rows of 72: its shape's int key (72 % 16 != 0) is another specialisation
     assert launch._descriptor_key(a) != launch._descriptor_key(gluon.row_descriptor(torch.zeros(72, 128, dtype=torch.bfloat16), 128, [64, 64]))
+
+
+def test_importing_the_launcher_does_not_import_gluon():
+    """The descriptor classes are looked up at the first launch that needs them: importing Gluon costs ~0.55 s,
+    which a generated module without Gluon kernels should not pay at its import."""
+    import subprocess
+    import sys
+    code = "import sys, gdngen.runtime.launch; print('triton.experimental.gluon' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -262,8 +262,11 @@ class _CallShape:
         self.layouts = {}               # types of the runtime arguments -> _ArgLayout or None
 
 
+@functools.cache
 def _descriptor_types() -> tuple:
-    """The host tensor-descriptor classes a launch may take (Gluon's Hopper one, triton.tools')."""
+    """The host tensor-descriptor classes a launch may take (Gluon's Hopper one, triton.tools'), imported on
+    the first launch whose arguments hold something else than tensors and scalars: importing Gluon costs
+    ~0.55 s, which a module without Gluon kernels should not pay at its import."""
     types = []
     try:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -276,9 +279,6 @@ def _descriptor_types() -> tuple:
     except ImportError:
         pass
     return tuple(types)
-
-
-_DESCRIPTORS = _descriptor_types()
 
 
 def _descriptor_key(desc) -> tuple:
@@ -296,12 +296,14 @@ class _ArgLayout:
     def __init__(self, types):
         self.tensors = _picker([i for i, t in enumerate(types) if issubclass(t, _TENSOR)])
         self.ints = _picker([i for i, t in enumerate(types) if t is int])
-        self.descriptors = _picker([i for i, t in enumerate(types) if t in _DESCRIPTORS])
+        others = [i for i, t in enumerate(types) if t not in _KEYED_SCALARS and not issubclass(t, _TENSOR)]
+        self.descriptors = _picker(others)
 
     @staticmethod
     def of(types):
         """The layout, or None where a type is not one the key covers (tuples, ...)."""
-        if all(t in _KEYED_SCALARS or t in _DESCRIPTORS or issubclass(t, _TENSOR) for t in types):
+        others = [t for t in types if t not in _KEYED_SCALARS and not issubclass(t, _TENSOR)]
+        if not others or all(t in _descriptor_types() for t in others):
             return _ArgLayout(types)
         return None
 
