@@ -303,6 +303,33 @@ def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
         assert gluon.chunk_bwd_unusable("gated_delta_rule", q, k, do, values, h, **shape) == "turned off (override)"
 
 
+def test_wy_stage_in_gluon_rendered_and_refused_by_name():
+    """The backward's wy stage in Gluon (stages/backward_wy_gluon.py.j2) is rendered where the Gluon state passes
+    are; a call it cannot take names why and keeps the Triton stage."""
+    module = importlib.import_module("generated.gated_delta_rule")
+    assert callable(module._wy_bwd_gluon) and module.wy_bwd_usable is gluon.wy_bwd_usable
+    assert not hasattr(importlib.import_module("generated.delta_rule"), "_wy_bwd_gluon")
+    _, k, v = _qkv()
+    tmat, h = torch.zeros(*k.shape[:3], 64, dtype=torch.float16), torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16)
+    shape = dict(K=128, V=128, BT=64, T=128)
+    reasons = {
+        "dV_new in torch.float32": dict(dvals=v.float()),
+        "T kept in torch.float32": dict(tmat=tmat.float()),
+        "chunk states in torch.float32": dict(h=h.float()),
+    }
+    gluon_reasons = {"chunk 32": dict(BT=32), "tensors on cpu": dict()}
+    for reason, change in gluon_reasons.items():
+        reasons[reason if gluon.AVAILABLE else "no Gluon Hopper module"] = change
+    for reason, change in reasons.items():
+        args = dict(dvals=v, tmat=tmat, h=h, **shape)
+        args.update(change)
+        why = gluon.wy_bwd_unusable("gated_delta_rule", k, v, **args)
+        assert why is not None and reason in why, (reason, why)
+        assert not gluon.wy_bwd_usable("gated_delta_rule", k, v, **args)
+    with override("gated_delta_rule", "gluon_wy_bwd", value=False):
+        assert gluon.wy_bwd_unusable("gated_delta_rule", k, v, v, tmat, h, **shape) == "turned off (override)"
+
+
 def test_row_descriptor_views_a_tensor_as_rows():
     """The Gluon chunk stage's host-built descriptors: contiguous x seen as [numel / columns, columns] rows."""
     if not gluon.AVAILABLE:

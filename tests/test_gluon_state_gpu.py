@@ -164,34 +164,36 @@ def test_reverse_pass_in_gluon(monkeypatch, count_launches, shape, pieces, w_fro
     assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
 
 
+@pytest.mark.parametrize("stage", ["chunk", "wy"])
 @pytest.mark.parametrize("shape", [
     dict(B=1, T=8192, H=2, HV=4),                # one long sequence (pieces in the state passes), grouped heads
     dict(B=3, T=2048, H=4, HV=4),                # dense sequences, dq / dk straight into the gradients
     dict(B=2, T=1024, H=2, HV=6),                # groups of three value heads
 ])
-def test_chunk_stage_in_gluon(monkeypatch, count_launches, shape):
-    """The backward's chunk stage in Gluon (the default; override gluon_chunk_bwd) against the Triton stage,
-    and both against float64. Its sums over V are one product where the Triton stage's are in tiles, so the
-    gradients differ by float32 roundings and their bf16 casts; every gradient must be as close to float64 as
-    the Triton stage's (5% slack)."""
+def test_backward_stage_in_gluon(monkeypatch, count_launches, stage, shape):
+    """The backward's chunk and wy stages in Gluon (the defaults; override gluon_chunk_bwd / gluon_wy_bwd) against
+    the Triton stage, and both against float64. Their sums over K and V are one product where the Triton
+    stages' are in tiles, so the gradients differ by float32 roundings and their bf16 casts; every gradient
+    must be as close to float64 as the Triton stage's (5% slack)."""
     monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
     module = importlib.import_module(f"generated.{NAME}")
+    switch, launcher = f"gluon_{stage}_bwd", f"_{stage}_bwd_gluon"
     gluon_calls = []
-    original = module._chunk_bwd_gluon
-    monkeypatch.setattr(module, "_chunk_bwd_gluon", lambda *args: gluon_calls.append(1) or original(*args))
-    launchers = {"triton": count_launches(module, "_chunk_bwd_fast")}
+    original = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *args: gluon_calls.append(1) or original(*args))
+    launchers = {"triton": count_launches(module, f"_{stage}_bwd_fast")}
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=31, K=128, V=128, h0=True, **shape)
     results, launches = {}, {}
     for gluon in (True, False):
         launchers["triton"].count = 0
         gluon_calls.clear()
-        with override(NAME, "gluon_chunk_bwd", value=gluon), poisoned_memory():
+        with override(NAME, switch, value=gluon), poisoned_memory():
             results[gluon] = _forward_backward(module, spec, inputs, seed=32)
         launches[gluon] = {"gluon": len(gluon_calls), "triton": launchers["triton"].count}
     assert launches == {True: {"gluon": 1, "triton": 0}, False: {"gluon": 0, "triton": 1}}
     # again through the cached launch path, which keys the host-built descriptors: bit for bit the first call
-    kernel = module._chunk_bwd_gluon_fast
+    kernel = getattr(module, f"_{stage}_bwd_gluon_fast")
     misses = kernel.misses
     with poisoned_memory():
         again = _forward_backward(module, spec, inputs, seed=32)
@@ -205,7 +207,7 @@ def test_chunk_stage_in_gluon(monkeypatch, count_launches, shape):
     from gdngen.selfcheck import gradient_errors
     errors = {}
     for gluon in (True, False):
-        with override(NAME, "gluon_chunk_bwd", value=gluon):
+        with override(NAME, switch, value=gluon):
             errors[gluon] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=33, K=128, V=128,
                                             **shape)
     bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}

@@ -160,6 +160,36 @@ def chunk_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch
     return chunk_bwd_unusable(spec_name, q, k, do, values, h, K=K, V=V, BT=BT, T=T) is None
 
 
+def wy_bwd_unusable(spec_name: str, k: torch.Tensor, v: torch.Tensor, dvals: torch.Tensor, tmat: torch.Tensor,
+                    h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> Optional[str]:
+    """Why the backward's wy stage over these dense inputs cannot run the Gluon kernel
+    (stages/backward_wy_gluon.py.j2), or None: :func:`state_pass_unusable`'s conditions (k in q's place),
+    dV_new and the chunk-start states in k's dtype and T kept in a 16-bit dtype (the forward's T: wgmma
+    operands as they are). ``override(spec, "gluon_wy_bwd", value=False)`` keeps the Triton stage (tests
+    compare the two)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_wy_bwd"))
+    if forced is not None and not forced["value"]:
+        return "turned off (override)"
+    if dvals.dtype != k.dtype:
+        return f"dV_new in {dvals.dtype}: k's dtype ({k.dtype}) only"
+    if h.dtype != k.dtype:
+        return f"chunk states in {h.dtype}: k's dtype ({k.dtype}) only"
+    if tmat.dtype not in (torch.bfloat16, torch.float16):
+        return f"T kept in {tmat.dtype}: a 16-bit dtype only"
+    why = state_pass_unusable(spec_name, k, k, v, K=K, V=V, BT=BT, T=T)
+    if why is not None:
+        return why
+    if any(t.data_ptr() % 16 for t in (dvals, tmat, h)):
+        return "a base pointer not 16-byte aligned (TMA)"
+    return None
+
+
+def wy_bwd_usable(spec_name: str, k: torch.Tensor, v: torch.Tensor, dvals: torch.Tensor, tmat: torch.Tensor,
+                  h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> bool:
+    """Whether the backward's wy stage runs the Gluon kernel (see :func:`wy_bwd_unusable`)."""
+    return wy_bwd_unusable(spec_name, k, v, dvals, tmat, h, K=K, V=V, BT=BT, T=T) is None
+
+
 _ROW_TILE = None                    # the 128-byte swizzled 16-bit tile layout of the host-built descriptors
 
 
