@@ -2,9 +2,12 @@
 takes them) with the Gluon reverse pass on and off, in time segments and in one call (stop 36: the bench's
 fwd+bwd row at (1,32768,32,32) read 7.0 ms where gluon_state_probe.py's step read 4.78).
 
-    python benchmarks/segments_probe.py [--case 1,32768,32,32] [--out rows.jsonl]
+    python benchmarks/segments_probe.py [--case 1,32768,32,32] [--segments "default 1"] [--gluon "on off"]
+        [--out rows.jsonl]
 
-Per variant: do_bench's median (ms), peak memory, and each kernel's device time (torch.profiler).
+Per variant: do_bench's median (ms), peak memory of one step (peak allocated minus allocated before it, as
+``gdngen bench`` reads it), the host and wall time per step of 20 steps issued back to back (host ~ wall:
+host-bound; stop 42: ~0.5 ms of host per segment) and each kernel's device time (torch.profiler).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +31,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="1,32768,32,32")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--segments", default="default 1", help='"default" or a count, space separated')
+    parser.add_argument("--gluon", default="on off", help="the Gluon reverse pass: on, off or both")
     parser.add_argument("--dry", action="store_true", help="one step per variant on the CPU interpreter, no timing")
     args = parser.parse_args()
     from benchmarks.gluon_state_probe import kernel_times
@@ -42,8 +48,8 @@ def main():
     fn = module.chunk_gated_delta_rule
     do = torch.randn_like(fn(**inputs)[0])
     out = open(args.out, "a") if args.out else None
-    for gluon in (True, False):
-        for segments in (None, 1):
+    for gluon in (word == "on" for word in args.gluon.split()):
+        for segments in (None if word == "default" else int(word) for word in args.segments.split()):
             def step():
                 with contextlib.ExitStack() as stack:
                     stack.enter_context(override(NAME, "gluon_state_bwd", value=gluon))
@@ -55,12 +61,28 @@ def main():
             if args.dry:
                 print(gluon, segments, "ran")
                 continue
+            for x in inputs.values():
+                x.grad = None
             torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
             ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median",
                                          grad_to_none=list(inputs.values()))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                step()
+                for x in inputs.values():
+                    x.grad = None
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            done = time.perf_counter()
             row = dict(case=args.case, gluon_state_bwd=gluon, segments=segments or "default", ms=round(ms, 3),
-                       peak_mib=round(torch.cuda.max_memory_allocated() / 2**20), kernels_us=kernel_times(step, 5))
+                       peak_mib=round(peak), host_ms=round((issued - start) / 20 * 1e3, 3),
+                       wall_ms=round((done - start) / 20 * 1e3, 3), kernels_us=kernel_times(step, 5))
             print(json.dumps(row), flush=True)
             if out:
                 out.write(json.dumps(row) + "\n")

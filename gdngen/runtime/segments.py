@@ -20,9 +20,14 @@ chunk-end state gradients (K V per chunk and value head, the size of the kept st
 dW), the float32 T and V_new where the forward did not keep them, and the per-value-head dq / dk
 where the call has grouped value heads or the in-kernel L2 norm. At (1, 32768, 32, 32), K = V =
 128, bf16, with T and V_new kept and one value head per query head, that is the state gradients
-(512 MiB) and W (256 MiB): 768 MiB at once, 192 MiB in each of 4 segments (until stop 32 the
+(512 MiB) and W (256 MiB): 768 MiB at once, 384 MiB in each of 2 segments (until stop 32 the
 estimate counted T, V_new and dq / dk too: 1.8 GiB, 8 segments of 96 MiB, each segment's Python and
 launches paid again: ~0.55 ms of host time per segment on the H200).
+
+Each segment costs ~0.5 ms of host time (its launches, descriptors and Python), which the GPU no longer
+hides once the kernels are fast: at stop 42 the step at (1, 32768, 32, 32) ran host-bound in 4 segments
+(3.53 ms of host per step back to back, the GPU's ~3.0) and GPU-bound in 2 (2.94 host, 3.01 wall), for
++162 MiB of peak (2122 -> 2284 MiB; one segment: 2600 MiB, 2.97 ms). The budget went 256 -> 512 MiB.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from gdngen.runtime.tiles import _OVERRIDES   # the dict gdngen.runtime.tiles.ov
 
 MAX_SEGMENTS = 8
 MIN_SEGMENT_CHUNKS = 64          # chunk-parallel launches keep >= 64 chunks x heads programs
-SEGMENT_BUDGET_BYTES = 256 << 20  # segment-local intermediates of one backward segment, at most
+SEGMENT_BUDGET_BYTES = 512 << 20  # segment-local intermediates of one backward segment, at most
 
 
 def intermediate_bytes(*, B: int, T: int, HV: int, K: int, V: int, BT: int, itemsize: int = 2,
@@ -105,7 +110,7 @@ def run_backward_in_segments(backward: Callable, segments: int, do, dht, q, k, v
     for the whole call (a generated ``<op>_fwd_states(..., gates_only=True)``: the gates stage of a scalar
     or no decay, token- and chunk-local, [B, T, HV] float32 each); with segments it runs once and each
     segment's backward gets its rows as ``kept_gates`` instead of launching it again: one gates launch
-    and two allocations per call instead of one per segment (4 segments at (1, 32768, 32, 32), 8 at
+    and two allocations per call instead of one per segment (2 segments at (1, 32768, 32, 32), 8 at
     (1, 131072, 16, 32)), for 8 MiB held through the backward at 32k x 32 heads. (The L2 norm's q and k, and a per-channel decay's [B, T, HV, K] cumsum, are the inputs'
     size: those stay per segment.)
     ``kept_gates`` (or None): that pair as the forward call formed it (the op keeps it): every call gets it,
