@@ -193,11 +193,12 @@ def test_backward_stage_in_gluon(monkeypatch, count_launches, stage, shape):
         launches[gluon] = {"gluon": len(gluon_calls), "triton": launchers["triton"].count}
     assert launches == {True: {"gluon": 1, "triton": 0}, False: {"gluon": 0, "triton": 1}}
     # again through the cached launch path, which keys the host-built descriptors: bit for bit the first call
+    # (the counters are the process's: earlier tests' compile-ahead dry runs launch it through Triton's path)
     kernel = getattr(module, f"_{stage}_bwd_gluon_fast")
-    misses = kernel.misses
+    misses, fallbacks = kernel.misses, kernel.fallbacks
     with poisoned_memory():
         again = _forward_backward(module, spec, inputs, seed=32)
-    assert kernel.misses == misses and kernel.fallbacks == 0
+    assert kernel.misses == misses and kernel.fallbacks == fallbacks
     assert all(torch.equal(again[2][name], results[True][2][name]) for name in again[2])
     (_, _, grads), (_, _, grads_triton) = results[True], results[False]
     assert grads.keys() == grads_triton.keys() and "initial_state" in grads
