@@ -9,6 +9,8 @@ and a forward for a backward runs it too, writing the chunk-start states and V_n
 (:func:`gluon_training`). Since stop 41 the backward's chunk stage has a Gluon kernel as well
 (stages/backward_chunk_gluon.py.j2, :func:`chunk_bwd_usable`): a tile kernel whose TMA descriptors are built
 on the host (:func:`row_descriptor`), since on the device each of its many short programs paid for its own.
+Since stop 42 it sums each head group of grouped value heads itself, and the backward's wy stage is such a
+kernel too (stages/backward_wy_gluon.py.j2, :func:`wy_bwd_usable`).
 
 On a Triton without Gluon (or without its Hopper module) the names below are None and
 :func:`state_pass_usable` answers False, so the Triton pass serves every call.
