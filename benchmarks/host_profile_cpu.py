@@ -9,8 +9,8 @@ By default it pretends the kernels run on an H200 the way the GPU path does: the
 returns an H200 (tile lookups go through the autotune cache and the shipped table) and the
 compile-ahead check runs as for a CUDA tensor. ``--cpu-path`` keeps the interpreter's own path.
 
-``--gluon`` takes the Gluon passes' host path, as on a Hopper GPU: their usable checks answer yes and
-their launches are no-ops too. ``--segments S`` forces the backward's time segments.
+``--gluon`` takes the Gluon kernels' host path, as on a Hopper GPU: their usable checks answer yes and
+their launches are no-ops too (the chunk and wy stages' descriptors are still built, on the host). ``--segments S`` forces the backward's time segments.
 
 Prints microseconds per forward call and per forward+backward call; ``--items`` times each host
 helper a call makes, replayed alone with the arguments it got (the sum per helper per call);
@@ -179,12 +179,13 @@ def main():
         class NoLaunch:
             def __getitem__(self, grid):
                 return lambda *a, **kw: None
-        for name in ("state_pass_usable", "state_bwd_usable"):
+        for name in ("state_pass_usable", "state_bwd_usable", "chunk_bwd_usable", "wy_bwd_usable"):
             if hasattr(module, name):
                 setattr(module, name, lambda *a, **kw: True)
-        for name in ("_state_output_gluon_fast", "_state_bwd_gluon_fast"):
+        for name in ("_state_output_gluon_fast", "_state_bwd_gluon_fast", "_chunk_bwd_gluon_fast", "_wy_bwd_gluon_fast"):
             if hasattr(module, name):
                 setattr(module, name, NoLaunch())
+        # the chunk and wy stages' host-built descriptors, on CPU tensors (Gluon's class checks no device)
         module.ensure_scratch_allocator = lambda: None      # (allocates through CUDA)
     if args.segments:
         from gdngen.runtime import override
