@@ -277,6 +277,24 @@ def test_gradients_with_w_formed_from_t(monkeypatch, pieces):
 
 
 
+def _assert_refused_by_name(stage, tensors, inputs, reasons):
+    """``gluon.<stage>_bwd_unusable`` names each reason (plus the Gluon-wide ones: a 32-token chunk, CPU tensors)
+    when ``inputs`` take that reason's change, ``..._usable`` answers no, and the stage's override turns it off."""
+    unusable, usable = getattr(gluon, f"{stage}_bwd_unusable"), getattr(gluon, f"{stage}_bwd_usable")
+    shape = dict(K=128, V=128, BT=64, T=128)
+    reasons = dict(reasons)
+    for reason, change in {"chunk 32": dict(BT=32), "tensors on cpu": dict()}.items():
+        reasons[reason if gluon.AVAILABLE else "no Gluon Hopper module"] = change
+    for reason, change in reasons.items():
+        args = dict(inputs, **shape)
+        args.update(change)
+        why = unusable("gated_delta_rule", *tensors, **args)
+        assert why is not None and reason in why, (reason, why)
+        assert not usable("gated_delta_rule", *tensors, **args)
+    with override("gated_delta_rule", f"gluon_{stage}_bwd", value=False):
+        assert unusable("gated_delta_rule", *tensors, **inputs, **shape) == "turned off (override)"
+
+
 def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
     """The backward's chunk stage in Gluon (stages/backward_chunk_gluon.py.j2) is rendered where the Gluon state
     passes are; a call it cannot take names why and keeps the Triton stage."""
@@ -285,22 +303,10 @@ def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
     assert not hasattr(importlib.import_module("generated.delta_rule"), "_chunk_bwd_gluon")
     q, k, do = _qkv()
     values, h = do.to(torch.float16), torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16)
-    shape = dict(K=128, V=128, BT=64, T=128)
-    reasons = {
+    _assert_refused_by_name("chunk", (q, k, do), dict(values=values, h=h), {
         "V_new in torch.float32": dict(values=values.float()),
         "chunk states in torch.float32": dict(h=h.float()),
-    }
-    gluon_reasons = {"chunk 32": dict(BT=32), "tensors on cpu": dict()}
-    for reason, change in gluon_reasons.items():
-        reasons[reason if gluon.AVAILABLE else "no Gluon Hopper module"] = change
-    for reason, change in reasons.items():
-        args = dict(values=values, h=h, **shape)
-        args.update(change)
-        why = gluon.chunk_bwd_unusable("gated_delta_rule", q, k, do, **args)
-        assert why is not None and reason in why, (reason, why)
-        assert not gluon.chunk_bwd_usable("gated_delta_rule", q, k, do, **args)
-    with override("gated_delta_rule", "gluon_chunk_bwd", value=False):
-        assert gluon.chunk_bwd_unusable("gated_delta_rule", q, k, do, values, h, **shape) == "turned off (override)"
+    })
 
 
 def test_wy_stage_in_gluon_rendered_and_refused_by_name():
@@ -311,23 +317,11 @@ def test_wy_stage_in_gluon_rendered_and_refused_by_name():
     assert not hasattr(importlib.import_module("generated.delta_rule"), "_wy_bwd_gluon")
     _, k, v = _qkv()
     tmat, h = torch.zeros(*k.shape[:3], 64, dtype=torch.float16), torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16)
-    shape = dict(K=128, V=128, BT=64, T=128)
-    reasons = {
+    _assert_refused_by_name("wy", (k, v), dict(dvals=v, tmat=tmat, h=h), {
         "dV_new in torch.float32": dict(dvals=v.float()),
         "T kept in torch.float32": dict(tmat=tmat.float()),
         "chunk states in torch.float32": dict(h=h.float()),
-    }
-    gluon_reasons = {"chunk 32": dict(BT=32), "tensors on cpu": dict()}
-    for reason, change in gluon_reasons.items():
-        reasons[reason if gluon.AVAILABLE else "no Gluon Hopper module"] = change
-    for reason, change in reasons.items():
-        args = dict(dvals=v, tmat=tmat, h=h, **shape)
-        args.update(change)
-        why = gluon.wy_bwd_unusable("gated_delta_rule", k, v, **args)
-        assert why is not None and reason in why, (reason, why)
-        assert not gluon.wy_bwd_usable("gated_delta_rule", k, v, **args)
-    with override("gated_delta_rule", "gluon_wy_bwd", value=False):
-        assert gluon.wy_bwd_unusable("gated_delta_rule", k, v, v, tmat, h, **shape) == "turned off (override)"
+    })
 
 
 def test_row_descriptor_views_a_tensor_as_rows():
