@@ -3,6 +3,8 @@
     python benchmarks/wy_warps_probe.py [--cases "4,8192,16,32 1,32768,32,32 1,32768,2,8"] [--against 1] [--out rows.jsonl]
     python benchmarks/wy_warps_probe.py --switch NAME    # the default against override(spec, NAME, value=False)
                                                          # (stop 40: gates_in_wy, with its patch applied)
+    python benchmarks/wy_warps_probe.py --tiles "maxnreg=168;maxnreg=128"   # the default against each
+                                                         # override(spec, "wy", ...) (stop 43: register caps)
 
 Stop 39's sweep timed one warp 0.547 ms against the default two's 0.605 for the whole (4,8192,16,32)
 forward, without checking the output; ``--against 1`` checks it and times the other rows.
@@ -41,6 +43,8 @@ def main():
     parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 1,32768,2,8")
     parser.add_argument("--against", type=int, default=1)
     parser.add_argument("--switch", default=None, help="compare override(spec, SWITCH, value=False) instead of warps")
+    parser.add_argument("--tiles", default=None,
+                        help="';'-separated variants of 'key=value,...' for override(spec, 'wy', ...) instead of warps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record = row_writer(args.out)
@@ -55,24 +59,24 @@ def main():
                 return op(**x, output_final_state=True)
 
         if args.switch:
-            label = f"{args.switch}=False"
-
-            def other():
-                return override(spec.name, args.switch, value=False)
+            others = [(f"{args.switch}=False", lambda: override(spec.name, args.switch, value=False))]
+        elif args.tiles:
+            others = []
+            for text_tiles in args.tiles.split(";"):
+                config = {key: int(value) for key, value in (item.split("=") for item in text_tiles.split(","))}
+                others.append((text_tiles, lambda config=config: override(spec.name, "wy", **config)))
         else:
-            label = f"num_warps={args.against}"
-
-            def other():
-                return override(spec.name, "wy", num_warps=args.against)
+            others = [(f"num_warps={args.against}", lambda: override(spec.name, "wy", num_warps=args.against))]
         o, ht = fwd()
-        with other():
-            o2, ht2 = fwd()
         case = dict(B=B, T=T, H=H, HV=HV)
-        record(dict(case, check=f"default against {label}",
-                    o_max_abs=(o.float() - o2.float()).abs().max().item(),
-                    o_rel_l2=((o.float() - o2.float()).norm() / o2.float().norm()).item(),
-                    ht_max_abs=(ht - ht2).abs().max().item(), finite=bool(torch.isfinite(o2).all())))
-        variants = (("default", contextlib.nullcontext), (label, other))
+        for label, other in others:
+            with other():
+                o2, ht2 = fwd()
+            record(dict(case, check=f"default against {label}",
+                        o_max_abs=(o.float() - o2.float()).abs().max().item(),
+                        o_rel_l2=((o.float() - o2.float()).norm() / o2.float().norm()).item(),
+                        ht_max_abs=(ht - ht2).abs().max().item(), finite=bool(torch.isfinite(o2).all())))
+        variants = [("default", contextlib.nullcontext)] + others
         for rnd in range(2):
             for label, tiles in variants:
                 with tiles():

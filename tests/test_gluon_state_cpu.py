@@ -295,6 +295,34 @@ def _assert_refused_by_name(stage, tensors, inputs, reasons):
         assert unusable("gated_delta_rule", *tensors, **inputs, **shape) == "turned off (override)"
 
 
+@pytest.mark.skipif(not gluon.AVAILABLE, reason="no Gluon Hopper module in this Triton")
+@pytest.mark.parametrize("H, HV, programs_per_chunk, key_tiles", [(2, 2, 1, 2), (2, 4, 2, 1), (1, 3, 2, 1)])
+def test_chunk_stage_in_gluon_key_tiles_per_program(monkeypatch, H, HV, programs_per_chunk, key_tiles):
+    """With one value head per query head a Gluon chunk-stage program takes every key tile (KT = K / BK: the head's
+    dO, V_new, dv and Gs loaded and dP^T formed once); with a head group one key tile, the group summed in it."""
+    module = importlib.import_module("generated.gated_delta_rule")
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(module, "_chunk_bwd_gluon_fast", Recorder())
+    B, T, K, V, BT = 2, 256, 128, 128, 64
+    q, k = (torch.zeros(B, T, H, K, dtype=torch.bfloat16) for _ in range(2))
+    do, values, dv = (torch.zeros(B, T, HV, V, dtype=torch.bfloat16) for _ in range(3))
+    h, dh = (torch.zeros(B * T // BT, HV, K, V, dtype=torch.bfloat16) for _ in range(2))
+    gs = torch.zeros(B, T, HV, BT, dtype=torch.bfloat16)
+    g_cum = torch.zeros(B, T, HV)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg_part = torch.zeros(3, B, T, HV)
+    module._chunk_bwd_gluon(q, k, values, h, dh, g_cum, do, dv, dq, dk, gs, dg_part, B * T * HV, 1.0, B, T, H, HV,
+                            K, V, BT)
+    (grid, kwargs), = launches
+    assert kwargs["KT"] == key_tiles and kwargs["BK"] * programs_per_chunk * key_tiles == K
+    assert grid == (programs_per_chunk, T // BT, B * H)
+
+
 def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
     """The backward's chunk stage in Gluon (stages/backward_chunk_gluon.py.j2) is rendered where the Gluon state
     passes are; a call it cannot take names why and keeps the Triton stage."""
