@@ -209,6 +209,35 @@ def test_host_tensor_descriptors_are_keyed_not_refused():
     assert launch._descriptor_key(a) != launch._descriptor_key(gluon.row_descriptor(torch.zeros(72, 128, dtype=torch.bfloat16), 128, [64, 64]))
 
 
+def test_row_descriptors_of_a_known_view_shape_are_copies_of_a_checked_one():
+    """row_descriptor builds and checks the first descriptor of a view shape; later ones copy its fields with the
+    new base and carry its launch key. Every field and the key equal a freshly built descriptor's, the memo holds no
+    tensor, and a base Triton's checks refuse is still refused."""
+    import dataclasses
+    import gc
+    import weakref
+    from gdngen.runtime import gluon
+    if not gluon.AVAILABLE:
+        pytest.skip("no Gluon")
+    gluon._ROW_DESCRIPTORS.clear()
+    first, x = torch.zeros(4, 64, 128, dtype=torch.bfloat16), torch.ones(4, 64, 128, dtype=torch.bfloat16)
+    gluon.row_descriptor(first, 128, [64, 128])                      # the checked one
+    copy = gluon.row_descriptor(x, 128, [64, 128])
+    fresh = gluon.TensorDescriptor(x, [256, 128], [128, 1], [64, 128], copy.layout)
+    assert copy.base is x and all(getattr(copy, f.name) == getattr(fresh, f.name) for f in dataclasses.fields(fresh)
+                                  if f.name != "base")
+    assert launch._descriptor_key(copy) == launch.descriptor_key(fresh) == launch.descriptor_key(copy)
+    other = gluon.row_descriptor(x.half(), 128, [64, 128])             # another dtype: its own checked descriptor
+    assert launch._descriptor_key(other) == launch.descriptor_key(other) != launch._descriptor_key(copy)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None                                             # the memo kept no tensor
+    flat = torch.zeros(256 * 128 + 1, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        gluon.row_descriptor(flat[1:], 128, [64, 128])                # same view shape, misaligned base
+
+
 def test_importing_the_launcher_does_not_import_gluon():
     """The descriptor classes are looked up at the first launch that needs them: importing Gluon costs ~0.55 s,
     which a generated module without Gluon kernels should not pay at its import."""

@@ -281,11 +281,23 @@ def _descriptor_types() -> tuple:
     return tuple(types)
 
 
-def _descriptor_key(desc) -> tuple:
+# the attribute a descriptor may carry its launch key in (gdngen.runtime.gluon.row_descriptor's, computed once per
+# view shape): :func:`_descriptor_key` takes it instead of reading the fields again
+LAUNCH_KEY_ATTRIBUTE = "gdngen_launch_key"
+
+
+def descriptor_key(desc) -> tuple:
     """What a host tensor descriptor's specialisation and launch read off it, but its base's address."""
     return (desc.base.dtype, tuple(desc.block_shape), desc.layout, desc.padding, desc.base.data_ptr() & 15 == 0,
             tuple(map(_int_key_cached, desc.shape)), tuple(map(_int_key_cached, desc.strides)),
             getattr(desc, "round_f32_to_tf32", False))
+
+
+def _descriptor_key(desc) -> tuple:
+    """:func:`descriptor_key`, or the one ``gdngen.runtime.gluon.row_descriptor`` computed for its view shape
+    and carries (its descriptors differ only in their base, whose dtype and alignment it checked)."""
+    key = desc.__dict__.get(LAUNCH_KEY_ATTRIBUTE)
+    return descriptor_key(desc) if key is None else key
 
 
 class _ArgLayout:
