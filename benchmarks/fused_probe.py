@@ -74,6 +74,19 @@ def inputs(B, T, H, HV, K=128, V=128, seed=0, grad=False):
     return x
 
 
+def no_grad_forward_cases(op, cases: str):
+    """For each "B,T,H,HV" of the space-separated ``cases``: (B, T, H, HV) and a function running ``op``'s
+    no-grad forward (with the final state) on that case's :func:`inputs`."""
+    for text in cases.split():
+        B, T, H, HV = (int(x) for x in text.split(","))
+        x = inputs(B, T, H, HV)
+
+        def fwd(x=x):
+            with torch.no_grad():
+                return op(**x, output_final_state=True)
+        yield (B, T, H, HV), fwd
+
+
 def row_writer(path):
     """A function that prints a row as JSON and appends it to ``path`` (when given) as soon as it is measured
     (a device run cut at its limit still returns the file)."""

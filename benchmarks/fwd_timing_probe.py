@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from benchmarks.fused_probe import inputs, row_writer  # noqa: E402
+from benchmarks.fused_probe import no_grad_forward_cases, row_writer  # noqa: E402
 from gdngen.runtime import override  # noqa: E402
 
 
@@ -51,14 +51,7 @@ def main():
     record = row_writer(args.out)
     from generated.gated_delta_rule import chunk_gated_delta_rule as op
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for text in args.cases.split():
-        B, T, H, HV = (int(x) for x in text.split(","))
-        x = inputs(B, T, H, HV)
-
-        def fwd():
-            with torch.no_grad():
-                return op(**x, output_final_state=True)
-
+    for (B, T, H, HV), fwd in no_grad_forward_cases(op, args.cases):
         variants = [("default", contextlib.nullcontext)] + [
             (f"pieces={p}", lambda p=int(p): override("gated_delta_rule", "state_pieces", value=p))
             for p in args.pieces.split(",") if p]

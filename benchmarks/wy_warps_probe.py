@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from benchmarks.fused_probe import inputs, row_writer  # noqa: E402
+from benchmarks.fused_probe import no_grad_forward_cases, row_writer  # noqa: E402
 from benchmarks.tuner_timing_check import kernel_times  # noqa: E402
 from gdngen.runtime import override  # noqa: E402
 from gdngen.spec import load_spec  # noqa: E402
@@ -50,14 +50,7 @@ def main():
     record = row_writer(args.out)
     spec = load_spec("specs/gated_delta_rule.yaml")
     from generated.gated_delta_rule import chunk_gated_delta_rule as op
-    for text in args.cases.split():
-        B, T, H, HV = (int(x) for x in text.split(","))
-        x = inputs(B, T, H, HV)
-
-        def fwd():
-            with torch.no_grad():
-                return op(**x, output_final_state=True)
-
+    for (B, T, H, HV), fwd in no_grad_forward_cases(op, args.cases):
         if args.switch:
             others = [(f"{args.switch}=False", lambda: override(spec.name, args.switch, value=False))]
         elif args.tiles:
