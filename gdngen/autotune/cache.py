@@ -251,10 +251,20 @@ def dependent_memo(limit: int = 4096) -> DependentMemo:
     return memo
 
 
+_GENERATION = [0]      # bumped whenever resolved launches are forgotten (a cache written, cleared)
+
+
 def _forget_resolved() -> None:
     _RESOLVED.clear()
     for memo in _DEPENDENT_MEMOS:
         memo.clear()
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """A count that changes whenever the launches resolved so far may change (a cache file written, the memo
+    cleared): a replayed launch sequence (gdngen.runtime.graphs) keys on it."""
+    return _GENERATION[0]
 
 
 def lookup_context() -> tuple:

@@ -320,6 +320,32 @@ class _ArgLayout:
         return None
 
 
+def _launches_hooked(rt, chain) -> bool:
+    """Whether launch hooks, a pipeline-inspection hook or a torch.compile trace want to see each launch."""
+    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    if enter is not None and (type(enter) is not chain or enter.calls):
+        return True
+    if exit_ is not None and (type(exit_) is not chain or exit_.calls):
+        return True
+    if getattr(rt, "add_stages_inspection_hook", None) is not None:
+        return True
+    return torch.compiler.is_compiling()
+
+
+def launches_observed() -> bool:
+    """Whether something must see every kernel launch as it happens (so none may be replayed from a graph):
+    Triton launch or inspection hooks, a replaced ``JITFunction.run`` (gdngen's compile-ahead recording,
+    compilecheck, tests), a torch.compile trace. Under TRITON_INTERPRET=1 nothing is replayed either."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    from triton import knobs
+    from triton.knobs import HookChain
+    from triton.runtime.jit import JITFunction
+    if _jit_run is not None and JITFunction.run is not _jit_run:
+        return True
+    return _launches_hooked(knobs.runtime, HookChain)
+
+
 class FastLaunch:
     """A ``@triton.jit`` kernel with a launch cache in front: see ``fast``.
 
@@ -373,18 +399,10 @@ class FastLaunch:
 
     def _plain_needed(self) -> bool:
         """Anything that makes this call take Triton's own path, checked per call (cheap reads)."""
-        kernel, rt = self.kernel, self._runtime_knobs
+        kernel = self.kernel
         if type(kernel).run is not _jit_run or "run" in kernel.__dict__ or kernel.pre_run_hooks:
             return True
-        chain = self._hook_chain
-        enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
-        if enter is not None and (type(enter) is not chain or enter.calls):
-            return True
-        if exit_ is not None and (type(exit_) is not chain or exit_.calls):
-            return True
-        if getattr(rt, "add_stages_inspection_hook", None) is not None:
-            return True
-        return torch.compiler.is_compiling()
+        return _launches_hooked(self._runtime_knobs, self._hook_chain)
 
     # -- binding and keys
 
