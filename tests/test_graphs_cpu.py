@@ -230,3 +230,19 @@ def test_generated_op_steps_through_the_graph_cache(cache, monkeypatch):
     assert (cache.captures, cache.replays) == (2, 3)
     for got, want in zip(replayed, eager):
         assert torch.equal(got, want)
+
+
+def test_launch_context_reads_what_the_launches_depend_on(monkeypatch):
+    from gdngen.runtime import ops
+    from gdngen.runtime.tiles import override, record_stages
+    monkeypatch.setattr("gdngen.runtime.launch.launches_observed", lambda: False)
+    plain = graphs.launch_context()
+    assert plain is not None
+    with ops.keeping_states(False):
+        assert graphs.launch_context() != plain
+    with override("gated_delta_rule", "wy", BK=32):
+        assert graphs.launch_context() is None
+    with record_stages():
+        assert graphs.launch_context() is None
+    monkeypatch.setattr("gdngen.runtime.launch.launches_observed", lambda: True)
+    assert graphs.launch_context() is None

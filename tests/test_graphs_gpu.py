@@ -47,20 +47,25 @@ def test_training_steps_replayed_equal_eager_steps_on_new_contents(fresh_graphs)
     do = torch.randn(x["v"].shape, device="cuda", generator=gen).bfloat16()
     dht = torch.randn(x["initial_state"].shape, device="cuda", generator=gen)
     cache = fresh_graphs
-    replays = cache.replays
-    for seed in range(1, 6):
+    seeds = range(1, 6)
+
+    def load(seed):                                   # new contents at the same addresses
         fresh = _inputs(seed)
-        with torch.no_grad():                     # new contents at the same addresses
+        with torch.no_grad():
             for n, t in x.items():
                 t.copy_(fresh[n])
-        graphs.set_enabled(False)
-        want = _step(x, do, dht)
-        graphs.set_enabled(True)
-        got = _step(x, do, dht)
-        _equal(got, want)
-        got_again = _step(x, do, dht)
-        _equal(got_again, want)
-    assert cache.replays - replays >= 6, (cache.captures, cache.replays, cache.eager)
+
+    graphs.set_enabled(False)
+    wants = []
+    for seed in seeds:
+        load(seed)
+        wants.append(_step(x, do, dht))
+    graphs.set_enabled(True)
+    for seed, want in zip(seeds, wants):
+        load(seed)
+        for _ in range(3):
+            _equal(_step(x, do, dht), want)
+    assert cache.replays >= 20, (cache.captures, cache.replays, cache.eager)
 
 
 def test_a_held_result_is_never_overwritten(fresh_graphs):
@@ -68,7 +73,7 @@ def test_a_held_result_is_never_overwritten(fresh_graphs):
     x = _inputs(0)
     with torch.no_grad():
         outs = [chunk_gated_delta_rule(**x, output_final_state=True) for _ in range(4)]
-    assert fresh_graphs.captures >= 1
+    assert fresh_graphs.captures >= 1            # (the cache's counters run over the process)
     first = [t.clone() for t in outs[0]]
     with torch.no_grad():
         x["v"].mul_(2)
@@ -84,6 +89,7 @@ def test_a_held_result_is_never_overwritten(fresh_graphs):
 
 def test_calls_over_the_work_bound_and_varlen_calls_stay_eager(fresh_graphs, monkeypatch):
     from generated.gated_delta_rule import chunk_gated_delta_rule
+    before = (fresh_graphs.captures, fresh_graphs.replays)
     monkeypatch.setattr(graphs, "MAX_WORK", 1)
     x = _inputs(0)
     with torch.no_grad():
@@ -95,4 +101,4 @@ def test_calls_over_the_work_bound_and_varlen_calls_stay_eager(fresh_graphs, mon
     with torch.no_grad():
         for _ in range(3):
             chunk_gated_delta_rule(**flat)
-    assert fresh_graphs.captures == 0 and fresh_graphs.replays == 0
+    assert (fresh_graphs.captures, fresh_graphs.replays) == before

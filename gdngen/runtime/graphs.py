@@ -64,8 +64,9 @@ def launch_context():
     """What a call's launches depend on beyond its arguments, as a key part; None where a call must run
     eagerly (see the module's docstring)."""
     from gdngen.autotune import cache as _cache
-    from gdngen.runtime import boundary, ops, tiles
-    if tiles._OVERRIDES or tiles._RECORDERS or boundary.active() is not None:
+    from gdngen.runtime import boundary, ops
+    from gdngen.runtime.tiles import _OVERRIDES, _RECORDERS     # (gdngen.runtime.tiles is also a function's name)
+    if _OVERRIDES or _RECORDERS or boundary.active() is not None:
         return None
     from gdngen.runtime.launch import launches_observed
     if launches_observed():
