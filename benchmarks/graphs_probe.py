@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,22 +19,13 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 
-def host_ms(step, calls=50):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    host = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
-    return host
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="8,2048,16,16 4,8192,16,32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs, row_writer
+    from benchmarks.gluon_state_probe import host_ms
     from gdngen.runtime import graphs
     from generated.gated_delta_rule import chunk_gated_delta_rule
     record = row_writer(args.out)
@@ -78,7 +68,7 @@ def main():
                     for _ in range(5):
                         step()
                     ms = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=leaves, return_mode="median")
-                    host = host_ms(step)
+                    host = host_ms(step, calls=50)
                     for t in leaves:
                         t.grad = None
                     record(dict(case=text, mode=mode, graphs=on, round=rnd, ms=round(ms, 4), host_ms=round(host, 4),
