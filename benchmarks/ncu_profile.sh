@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # Nsight Compute over one warmed-up step of generated ops: per job "spec B,T,H,HV [fwd|bwd]",
 # a report's raw metrics (CSV) and its details page (rules, stall reasons), tarred into
-# $OUT/ncu.tar.gz with the logs. Clocks are left alone (--clock-control none).
-#   bash benchmarks/ncu_profile.sh "gla 4,8192,16,16 bwd" "gated_delta_rule 1,32768,32,32 fwd"
+# $OUT/ncu.tar.gz with the logs. Clocks are left alone (--clock-control none). Words after the mode go
+# to ncu_profile.py (and into the report's name).
+#   bash benchmarks/ncu_profile.sh "gla 4,8192,16,16 bwd" "gated_delta_rule 1,32768,32,32 fwd --gluon-bv 64"
 set -u
 OUT=${OUT:-bench_out}
 work=$(mktemp -d)
 for job in "$@"; do
   set -- $job
   spec=$1 case=$2 mode=${3:-bwd}
+  shift $(( $# < 3 ? $# : 3 ))
+  extra="$*"
   tag="$spec-${case//,/x}-$mode"
+  [ -n "$extra" ] && tag="$tag$(echo "$extra" | tr -c 'A-Za-z0-9' '_')"
   flag=""; [ "$mode" = bwd ] && flag="--backward"
   timeout ${NCU_TIMEOUT:-240} ncu --profile-from-start off --clock-control none --kernel-name regex:^_ \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats \
     --section SchedulerStats --export "$work/$tag" --force-overwrite \
-    python3 benchmarks/ncu_profile.py --spec "$spec" --case "$case" $flag > "$work/$tag.log" 2>&1
+    python3 benchmarks/ncu_profile.py --spec "$spec" --case "$case" $flag $extra > "$work/$tag.log" 2>&1
   echo "$tag rc=$?" | tee -a "$work/jobs.txt"
   if [ -f "$work/$tag.ncu-rep" ]; then
     ncu --import "$work/$tag.ncu-rep" --csv --page raw > "$work/$tag-raw.csv" 2>&1

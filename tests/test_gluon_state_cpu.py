@@ -84,6 +84,30 @@ def test_one_program_per_sm_pieces():
         assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, T=32768, BT=64, value_tile=lambda n: 128) == 8
 
 
+def test_value_tile_and_its_programs_per_sm():
+    """All the values a program by default (half of them, two programs an SM, was no faster: stop 45); the
+    override forces 64 or 128 and names itself otherwise; the piece count fills two programs an SM at half
+    the values."""
+    assert gluon.state_value_tile("gated_delta_rule", keep_states=False) == 128
+    assert gluon.state_value_tile("gated_delta_rule", keep_states=True) == 128
+    assert gluon.state_programs_per_sm(64) == 2 and gluon.state_programs_per_sm(128) == 1
+    with override("gated_delta_rule", "gluon_state_bv", value=64):
+        assert gluon.state_value_tile("gated_delta_rule", keep_states=False) == 64
+    with override("gated_delta_rule", "gluon_state_bv", value=32):
+        with pytest.raises(ValueError, match="gluon_state_bv"):
+            gluon.state_value_tile("gated_delta_rule", keep_states=False)
+
+    def call(N, HV, T):
+        return state_pieces("gated_delta_rule", N=N, HV=HV, V=128, T=T, BT=64, value_tile=lambda n: 64,
+                            per_sm=gluon.state_programs_per_sm(64))
+
+    with use_device(H200):
+        assert call(1, 32, 32768) == 4          # 4 x 32 x 2 = 256 programs on 132 SMs, two each
+        assert call(4, 32, 8192) == 1           # 256 programs already
+        assert call(1, 8, 32768) == 16          # 16 x 8 x 2
+        assert call(1, 8, 4096) == 2            # no piece shorter than 32 chunks
+
+
 def test_fast_launch_takes_gluon_kernels(monkeypatch):
     """The cached launch path wraps a gluon.jit kernel as it does a triton.jit one (off under the interpreter)."""
     from gdngen.runtime import launch
