@@ -36,12 +36,14 @@ def main():
     parser.add_argument("--modules", required=True, help="module files, space separated (the first is the baseline)")
     parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 8,2048,16,16")
     parser.add_argument("--bwd-tiles", default="", help='e.g. "wy:BV=128,num_warps=8 chunk:BK=64,BV=128"')
+    parser.add_argument("--modes", default="fwd+bwd", help='"fwd+bwd", "fwd" (no grad) or both, space separated')
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs, load_module, row_writer
     from benchmarks.tuner_timing_check import kernel_times
     from gdngen.runtime.backward_tiles import override_backward
+    from gdngen.runtime.graphs import GRAPHS, set_enabled as set_graphs
     from gdngen.selfcheck import poisoned_memory
     paths = args.modules.split()
     modules = [load_module(ROOT / p, f"gdr_variant_{i}") for i, p in enumerate(paths)]
@@ -65,6 +67,10 @@ def main():
                 o, _ = module.chunk_gated_delta_rule(**x)
                 return torch.autograd.grad(o, leaves, do)
 
+        def forward(module, override):
+            with torch.no_grad():
+                return module.chunk_gated_delta_rule(**x, output_final_state=True)
+
         base = None
         for label, module, override in variants:
             with poisoned_memory():
@@ -76,20 +82,37 @@ def main():
                             max_abs=(a.float() - b.float()).abs().max().item(), nan=bool(a.isnan().any()))
                     for n, a, b in zip(("q", "k", "v", "g", "beta"), grads, base)}
             record(dict(case, variant=label, check="grads vs the first module", diff=diff))
-        for round_ in range(2):
-            for label, module, override in variants:
-                def run(module=module, override=override):
-                    step(module, override)
-                run()
-                torch.cuda.reset_peak_memory_stats()
-                torch.cuda.synchronize()
-                ms = triton.testing.do_bench(run, warmup=30, rep=300, return_mode="median")
-                record(dict(case, variant=label, mode="fwd+bwd", round=round_, ms=round(ms, 4),
-                            peak_mib=torch.cuda.max_memory_allocated() >> 20))
-        if args.profile:
+        if "fwd" in args.modes.split():
+            outputs = []
             for label, module, override in variants[:len(paths)]:
-                times = kernel_times(lambda: step(module, override))
-                record(dict(case, variant=label, kernels_us={k[:40]: round(v, 1) for k, v in times.items()}))
+                with poisoned_memory():
+                    outputs.append(forward(module, override))
+                torch.cuda.synchronize()
+                (o, ht), (o0, ht0) = outputs[-1], outputs[0]
+                record(dict(case, variant=label, check="no-grad o, final state vs the first module's",
+                            o_equal=torch.equal(o, o0), state_equal=torch.equal(ht, ht0), o_nan=bool(o.isnan().any())))
+            del outputs
+        # (every rendering's op has the same name: graphs replayed for one must not serve another)
+        for mode in args.modes.split():
+            fn = step if mode == "fwd+bwd" else forward
+            for round_ in range(2):
+                for label, module, override in (variants if mode == "fwd+bwd" else variants[:len(paths)]):
+                    def run(module=module, override=override):
+                        fn(module, override)
+                    GRAPHS.clear()
+                    run()
+                    torch.cuda.reset_peak_memory_stats()
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(run, warmup=30, rep=300, return_mode="median")
+                    record(dict(case, variant=label, mode=mode, round=round_, ms=round(ms, 4),
+                                peak_mib=torch.cuda.max_memory_allocated() >> 20))
+            if args.profile:             # (eager: each kernel on its own in the profile)
+                set_graphs(False)
+                for label, module, override in variants[:len(paths)]:
+                    times = kernel_times(lambda: fn(module, override))
+                    record(dict(case, variant=label, mode=mode, kernels_us={k[:40]: round(v, 1) for k, v in times.items()}))
+                set_graphs(True)
+        GRAPHS.clear()
 
 
 if __name__ == "__main__":
