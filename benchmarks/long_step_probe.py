@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
 NAME = "gated_delta_rule"
 
@@ -35,6 +33,7 @@ def main():
     parser.add_argument("--segments", default="default 1")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    from benchmarks.segments_probe import step_figures
     from gdngen.bench import Case, make_inputs
     from gdngen.runtime import graphs, segments as segments_module
     from gdngen.spec import load_spec
@@ -65,26 +64,8 @@ def main():
                 for _ in range(4):           # eager, capture, replays
                     step()
                     clear()
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                clear()
-                held = (torch.cuda.memory_allocated()) / 2**20
-                ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median", grad_to_none=leaves)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(20):
-                    step()
-                    clear()
-                issued = time.perf_counter()
-                torch.cuda.synchronize()
-                done = time.perf_counter()
-                row = dict(case=text, variant=variant, segments=seg, ms=round(ms, 3), peak_mib=round(peak),
-                           allocated_after_mib=round(held), graphs_kept=len(graphs.GRAPHS),
-                           host_ms=round((issued - start) / 20 * 1e3, 3), wall_ms=round((done - start) / 20 * 1e3, 3))
+                row = dict(case=text, variant=variant, segments=seg, **step_figures(step, leaves),
+                           graphs_kept=len(graphs.GRAPHS))
                 print(json.dumps(row), flush=True)
                 if out:
                     out.write(json.dumps(row) + "\n")

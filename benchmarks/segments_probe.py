@@ -27,6 +27,36 @@ import triton.testing  # noqa: E402
 NAME = "gated_delta_rule"
 
 
+def step_figures(step, leaves, steps: int = 20) -> dict:
+    """A training step's figures: do_bench's median (ms), the peak of one step over what was allocated before it
+    (as ``gdngen bench`` reads it), what stays allocated after it with the leaves' gradients dropped, and the host
+    and wall time per step of ``steps`` steps issued back to back (host ~ wall: host-bound)."""
+    def clear():
+        for x in leaves:
+            x.grad = None
+
+    clear()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    clear()
+    held = torch.cuda.memory_allocated() / 2**20
+    ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median", grad_to_none=leaves)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+        clear()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return dict(ms=round(ms, 3), peak_mib=round(peak), allocated_after_mib=round(held),
+                host_ms=round((issued - start) / steps * 1e3, 3), wall_ms=round((done - start) / steps * 1e3, 3))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="1,32768,32,32")
@@ -61,28 +91,8 @@ def main():
             if args.dry:
                 print(gluon, segments, "ran")
                 continue
-            for x in inputs.values():
-                x.grad = None
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median",
-                                         grad_to_none=list(inputs.values()))
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(20):
-                step()
-                for x in inputs.values():
-                    x.grad = None
-            issued = time.perf_counter()
-            torch.cuda.synchronize()
-            done = time.perf_counter()
-            row = dict(case=args.case, gluon_state_bwd=gluon, segments=segments or "default", ms=round(ms, 3),
-                       peak_mib=round(peak), host_ms=round((issued - start) / 20 * 1e3, 3),
-                       wall_ms=round((done - start) / 20 * 1e3, 3), kernels_us=kernel_times(step, 5))
+            row = dict(case=args.case, gluon_state_bwd=gluon, segments=segments or "default",
+                       **step_figures(step, list(inputs.values())), kernels_us=kernel_times(step, 5))
             print(json.dumps(row), flush=True)
             if out:
                 out.write(json.dumps(row) + "\n")
