@@ -64,9 +64,17 @@ def solve_precision(input_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
     (~3e-4) own rounding of T, and ran the stage 2.3x faster (481 -> 210 us at (1,32768,32,32):
     tensor cores instead of CUDA-core FMAs; "tf32x3" ran 510 us - benchmarks/NOTES.md, stop 26).
     A float32 result (float32 inputs, ``dtypes.intermediates: float32``, the backward's recomputed
-    T) keeps "ieee"."""
+    T) keeps "ieee".
+
+    A float16 result (``dtypes.intermediates: float16``) takes "fp16": the products' operands rounded
+    to float16, which keeps TF32's 10 mantissa bits at half its instructions, and an accumulator
+    needs no reordering to become an operand (stages/wy.py.j2, _dot_nt). Its range ends at 65504,
+    as the float16 T it writes does: the powers of A that the diagonal blocks' product forms stay
+    below 2^15 while |A_ij| <= 1 (unit keys, beta <= 1)."""
     half = (torch.bfloat16, torch.float16)
-    return "tf32" if input_dtype in half and out_dtype in half else "ieee"
+    if input_dtype not in half or out_dtype not in half:
+        return "ieee"
+    return "fp16" if out_dtype == torch.float16 else "tf32"
 
 
 def next_pow2(n: int) -> int:
