@@ -57,3 +57,22 @@ def test_wy_launches_carry_the_rule(name, dtype, monkeypatch):
         assert {kw["SOLVE_PRECISION"] for _, kw in seen} == {"ieee"}
     else:
         assert {kw["SOLVE_PRECISION"] for _, kw in seen} & {"tf32", "fp16"}
+
+
+@pytest.mark.parametrize("name", ["gated_delta_rule", "delta_rule", "kda"])
+def test_float16_solve_matches_the_reference(name, monkeypatch):
+    """float16 inputs write a float16 T, so the solve runs on float16 operands ("fp16"): on the x @ y^T
+    products of one warp (scalar decay) and on the plain ones (per-channel decay, four warps). Chunk 64
+    (four blocks: the deepest block recursion) and a partial last chunk; every output within the
+    16-bit bar against the float64 reference."""
+    from gdngen.selfcheck import reference_outputs, rel_rmse
+    spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
+    module = importlib.import_module(f"generated.{name}")
+    seen = []
+    monkeypatch.setattr(module, "_WY_FAST", {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_FAST.items()})
+    inputs = make_inputs(spec, B=1, T=150, H=1, HV=2, K=32, V=32, dtype=torch.float16, h0=True, seed=5)
+    o, ht = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=64)
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert {kw["SOLVE_PRECISION"] for _, kw in seen} == {"fp16"}
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
