@@ -76,3 +76,29 @@ def test_float16_solve_matches_the_reference(name, monkeypatch):
     assert {kw["SOLVE_PRECISION"] for _, kw in seen} == {"fp16"}
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
+
+
+@pytest.mark.parametrize("name", ["gated_delta_rule", "delta_rule", "kda"])
+def test_float16_solve_out_of_range_chunk_takes_tf32(name):
+    """beta = 1.9 (allow_neg_eigval's range) over keys repeated across each 16-token block: the powers of
+    a diagonal block of A reach ~1e5, past float16's 65504, so float16 operands gave inf and NaN outputs.
+    Such a chunk (|A_ij| > 1 on a diagonal block) solves in tf32: the output stays finite and within
+    reach of the float32 path's own error on the same data (this chunked form loses accuracy as beta
+    grows past 1: ~5e-3 in float32 here)."""
+    from gdngen.selfcheck import reference_outputs, rel_rmse
+    spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
+    module = importlib.import_module(f"generated.{name}")
+    errors = {}
+    for dtype in (torch.float32, torch.float16):
+        inputs = make_inputs(spec, B=1, T=64, H=1, HV=2, K=32, V=32, dtype=dtype, h0=False, seed=1)
+        gen = torch.Generator().manual_seed(0)
+        keys = torch.nn.functional.normalize(torch.randn(1, 4, 1, 1, 32, generator=gen), dim=-1)
+        inputs["k"] = keys.expand(1, 4, 16, 1, 32).reshape(1, 64, 1, 32).to(dtype).contiguous()
+        inputs["beta"] = torch.full_like(inputs["beta"], 1.9)
+        if inputs.get("g") is not None:
+            inputs["g"] = torch.full_like(inputs["g"], -0.1)
+        o, ht = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=64)
+        o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(ht).all(), dtype
+        errors[dtype] = max(rel_rmse(o, o_ref), rel_rmse(ht, ht_ref))
+    assert errors[torch.float16] < 2 * errors[torch.float32] + 1e-3, errors

@@ -68,9 +68,11 @@ def solve_precision(input_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
 
     A float16 result (``dtypes.intermediates: float16``) takes "fp16": the products' operands rounded
     to float16, which keeps TF32's 10 mantissa bits at half its instructions, and an accumulator
-    needs no reordering to become an operand (stages/wy.py.j2, _dot_nt). Its range ends at 65504,
-    as the float16 T it writes does: the powers of A that the diagonal blocks' product forms stay
-    below 2^15 while |A_ij| <= 1 (unit keys, beta <= 1)."""
+    needs no reordering to become an operand (stages/wy.py.j2, _dot_nt). Its range ends at 65504:
+    the powers of A that the diagonal blocks' product forms, and their partial products, stay below
+    2^14 while |A_ij| <= 1 (unit keys, beta <= 1), but reach ~1e5 at beta = 1.9 over repeated keys
+    (allow_neg_eigval), where float16 operands gave inf. So the kernel checks each chunk's diagonal
+    blocks and solves a chunk with any |A_ij| > 1 in tf32 instead."""
     half = (torch.bfloat16, torch.float16)
     if input_dtype not in half or out_dtype not in half:
         return "ieee"
