@@ -72,7 +72,7 @@ def main():
                 def launch():
                     # (q and the scores A_qk: only a fused output's forward asks for them, STORE_AQK)
                     module._WY_KERNELS[BT][(NT, B * HV)](
-                        None, k, None, beta, g_cum, tmat, None, None, None, None, None, T,
+                        None, k, None, None, beta, g_cum, tmat, None, None, None, None, None, T,
                         H=H, HV=HV, K=K, V=V, BT=BT, BK=64, BV=64, STORE_WU=False, STORE_AQK=False, IS_VARLEN=False,
                         DOT_PRECISION="tf32", SOLVE_PRECISION=precision, num_warps=warps, num_stages=2)
                 launch()

@@ -216,10 +216,10 @@ def test_row_descriptors_of_a_known_view_shape_are_copies_of_a_checked_one():
     import dataclasses
     import gc
     import weakref
-    from gdngen.runtime import gluon
+    from gdngen.runtime import gluon, tma
     if not gluon.AVAILABLE:
         pytest.skip("no Gluon")
-    gluon._ROW_DESCRIPTORS.clear()
+    tma._ROW_DESCRIPTORS.clear()
     first, x = torch.zeros(4, 64, 128, dtype=torch.bfloat16), torch.ones(4, 64, 128, dtype=torch.bfloat16)
     gluon.row_descriptor(first, 128, [64, 128])                      # the checked one
     copy = gluon.row_descriptor(x, 128, [64, 128])
@@ -246,3 +246,23 @@ def test_importing_the_launcher_does_not_import_gluon():
     code = "import sys, gdngen.runtime.launch; print('triton.experimental.gluon' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_tile_descriptors_are_memoised_apart_from_gluon_ones():
+    """tile_descriptor (a Triton kernel's host descriptor) shares row_descriptor's memo but not its entries: for
+    one view shape each gives its own kind, every field equal to a freshly built one's, the key the same as a
+    fresh one's and the memo's copy carrying the new base."""
+    import dataclasses
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from gdngen.runtime import tma
+    tma._ROW_DESCRIPTORS.clear()
+    first, x = torch.zeros(4, 64, 128, dtype=torch.bfloat16), torch.ones(4, 64, 128, dtype=torch.bfloat16)
+    tma.tile_descriptor(first, 128, [64, 128])
+    copy = tma.tile_descriptor(x, 128, [64, 128])
+    fresh = TensorDescriptor(x, [256, 128], [128, 1], [64, 128])
+    assert type(copy) is TensorDescriptor and copy.base is x
+    assert all(getattr(copy, f.name) == getattr(fresh, f.name) for f in dataclasses.fields(fresh) if f.name != "base")
+    assert launch._descriptor_key(copy) == launch.descriptor_key(fresh)
+    from gdngen.runtime import gluon
+    if gluon.AVAILABLE:
+        assert type(gluon.row_descriptor(x, 128, [64, 128])) is not TensorDescriptor

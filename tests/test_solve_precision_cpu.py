@@ -50,7 +50,7 @@ def test_wy_launches_carry_the_rule(name, dtype, monkeypatch):
     (o.sum() + ht.sum()).backward()
     assert seen
     for args, kwargs in seen:
-        tmat, w = args[5], args[6]          # (q, k, v, beta, g_cum, tmat, w, ...)
+        tmat, w = args[6], args[7]          # (q, k, k_desc, v, beta, g_cum, tmat, w, ...)
         written = tmat if tmat is not None else w
         assert kwargs["SOLVE_PRECISION"] == solve_precision(dtype, written.dtype)
     if dtype == torch.float32:

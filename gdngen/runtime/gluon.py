@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from gdngen.runtime.launch import LAUNCH_KEY_ATTRIBUTE, descriptor_key
+from gdngen.runtime.tma import memoised_row_descriptor
 from gdngen.runtime.tiles import _OVERRIDES
 
 try:
@@ -219,36 +219,17 @@ def wy_bwd_usable(spec_name: str, k: torch.Tensor, v: torch.Tensor, dvals: torch
 
 
 _ROW_TILE = None                    # the 128-byte swizzled 16-bit tile layout of the host-built descriptors
-# (dtype, numel, columns, block rows, block columns) -> (a validated descriptor's fields but its base, its launch key)
-_ROW_DESCRIPTORS: dict = {}
-ROW_DESCRIPTOR_MEMO = 256           # view shapes remembered before the memo starts over
+
+
+def _gluon_descriptor(x: torch.Tensor, columns: int, block: list):
+    global _ROW_TILE
+    if _ROW_TILE is None:
+        _ROW_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return TensorDescriptor(x, [x.numel() // columns, columns], [columns, 1], list(block), _ROW_TILE)
 
 
 def row_descriptor(x: torch.Tensor, columns: int, block: list):
-    """A host-built TMA descriptor over contiguous ``x`` seen as rows of ``columns`` elements ([numel / columns,
-    columns]), in ``block`` tiles of the 128-byte swizzled 16-bit layout the Gluon kernels use.
-
-    Triton's constructor checks every field (~4 us on the CPU machine) and the cached launch path keys it
-    (~2.4 us): 15 descriptors per backward. So the first descriptor of a view shape is built and checked there,
-    and later ones of that shape copy its fields, take ``x`` as their base (what depends on the base, its dtype
-    and its 16-byte alignment, is the memo's key and checked here) and carry its launch key (~1 us in all). The
-    memo keeps no tensor."""
-    global _ROW_TILE
-    key = (x.dtype, x.numel(), columns, block[0], block[1])
-    known = _ROW_DESCRIPTORS.get(key)
-    if known is not None and x.data_ptr() % 16 == 0:
-        fields, launch_key = known
-        desc = object.__new__(TensorDescriptor)
-        desc.__dict__.update(fields)
-        desc.base = x
-        desc.__dict__[LAUNCH_KEY_ATTRIBUTE] = launch_key
-        return desc
-    if _ROW_TILE is None:
-        _ROW_TILE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = TensorDescriptor(x, [x.numel() // columns, columns], [columns, 1], list(block), _ROW_TILE)
-    if len(_ROW_DESCRIPTORS) >= ROW_DESCRIPTOR_MEMO:
-        _ROW_DESCRIPTORS.clear()
-    launch_key = descriptor_key(desc)
-    _ROW_DESCRIPTORS[key] = ({**desc.__dict__, "base": None}, launch_key)
-    desc.__dict__[LAUNCH_KEY_ATTRIBUTE] = launch_key
-    return desc
+    """A host-built Gluon TMA descriptor over contiguous ``x`` seen as rows of ``columns`` elements ([numel /
+    columns, columns]), in ``block`` tiles of the 128-byte swizzled 16-bit layout the Gluon kernels use;
+    memoised per view shape (gdngen.runtime.tma.memoised_row_descriptor)."""
+    return memoised_row_descriptor(x, columns, block, _gluon_descriptor)

@@ -62,7 +62,11 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
         # One warp for 16-bit inputs: the whole (4,8192,16,32) bf16 forward 0.547 ms against 0.605 at
         # two warps (H200, stop 39 sweep; offline sm_90 182 registers, no spill). float32 inputs keep
         # two warps: one would need more than 255 registers.
-        return {"BK": min(64, pk), "num_warps": 1 if dtype.itemsize <= 2 else 2, "num_stages": 2}
+        # 16-bit inputs take their key tiles by TMA through a host descriptor, whole [BT, K] tiles up
+        # to K = 128 (the module drops TMA where BK does not divide K; stop 47, benchmarks/NOTES.md).
+        if dtype.itemsize <= 2:
+            return {"BK": min(128, pk), "num_warps": 1, "num_stages": 2, "TMA": True}
+        return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state_output":
         # The state pass writing the output too (a forward nothing differentiates, fused_output):
         # value tiles of at most 32 and two pipeline stages. H200, K=V=128 bf16, forward ms with
