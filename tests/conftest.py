@@ -102,3 +102,16 @@ def count_launches(monkeypatch):
         monkeypatch.setattr(module, name, counter)
         return counter
     return count
+
+
+@pytest.fixture
+def wy_launches(monkeypatch):
+    """``record(module)``: every launch of ``module``'s forward wy stage (any chunk size), for the test, appended as
+    (args, kwargs) to the list it returns."""
+    def record(module):
+        seen = []
+        launchers = {bt: CountedLaunches(launcher, lambda args, kwargs: seen.append((args, kwargs)))
+                     for bt, launcher in module._WY_FAST.items()}
+        monkeypatch.setattr(module, "_WY_FAST", launchers)
+        return seen
+    return record

@@ -19,29 +19,14 @@ def test_rule():
     assert solve_precision(torch.float32, torch.float32) == "ieee"
 
 
-class _Recorder:
-    """Stands in for a kernel dict entry: records each launch's keyword arguments, then launches."""
-
-    def __init__(self, kernel, seen):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.seen.append((args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("name", ["gated_delta_rule", "kda"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_wy_launches_carry_the_rule(name, dtype, monkeypatch):
+def test_wy_launches_carry_the_rule(name, dtype, wy_launches):
     """Every wy launch of a forward and backward passes SOLVE_PRECISION by the dtype of what it writes
     (T, or W when the stage writes W and U)."""
     spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
     module = importlib.import_module(f"generated.{name}")
-    seen = []
-    kernels = {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_FAST.items()}
-    monkeypatch.setattr(module, "_WY_FAST", kernels)
+    seen = wy_launches(module)
     inputs = make_inputs(spec, B=1, T=40, H=2, HV=2, K=32, V=32, dtype=dtype, h0=True)
     for x in inputs.values():
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -60,7 +45,7 @@ def test_wy_launches_carry_the_rule(name, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gated_delta_rule", "delta_rule", "kda"])
-def test_float16_solve_matches_the_reference(name, monkeypatch):
+def test_float16_solve_matches_the_reference(name, wy_launches):
     """float16 inputs write a float16 T, so the solve runs on float16 operands ("fp16"): on the x @ y^T
     products of one warp (scalar decay) and on the plain ones (per-channel decay, four warps). Chunk 64
     (four blocks: the deepest block recursion) and a partial last chunk; every output within the
@@ -68,8 +53,7 @@ def test_float16_solve_matches_the_reference(name, monkeypatch):
     from gdngen.selfcheck import reference_outputs, rel_rmse
     spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
     module = importlib.import_module(f"generated.{name}")
-    seen = []
-    monkeypatch.setattr(module, "_WY_FAST", {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_FAST.items()})
+    seen = wy_launches(module)
     inputs = make_inputs(spec, B=1, T=150, H=1, HV=2, K=32, V=32, dtype=torch.float16, h0=True, seed=5)
     o, ht = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=64)
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)

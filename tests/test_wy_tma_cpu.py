@@ -15,19 +15,6 @@ def _descriptors(args):
     return [a for a in args if type(a).__name__ == "TensorDescriptor"]
 
 
-class _Recorder:
-    """Stands in for a kernel dict entry: records each launch's arguments, then launches."""
-
-    def __init__(self, kernel, seen):
-        self.kernel, self.seen = kernel, seen
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.seen.append((args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_tiles_ask_for_tma_on_16_bit_inputs_only():
     sizes = dict(K=128, V=128, BT=64, N=4, HV=32)
     assert default_tiles("wy", dtype=torch.bfloat16, **sizes)["TMA"] is True
@@ -46,11 +33,10 @@ def _run(module, spec, inputs, seen):
 
 
 @pytest.mark.parametrize("name", ["gated_delta_rule", "delta_rule"])
-def test_tma_key_tiles_match_the_pointer_loads(name, monkeypatch):
+def test_tma_key_tiles_match_the_pointer_loads(name, wy_launches):
     spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
     module = importlib.import_module(f"generated.{name}")
-    seen = []
-    monkeypatch.setattr(module, "_WY_FAST", {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_FAST.items()})
+    seen = wy_launches(module)
     # two sequences of 150 tokens: the first one's last chunk (22 rows) reads 42 rows of the second by TMA
     inputs = make_inputs(spec, B=2, T=150, H=1, HV=2, K=32, V=32, dtype=torch.float16, h0=True, seed=11)
     o, ht, grads = _run(module, spec, inputs, seen)
@@ -66,12 +52,11 @@ def test_tma_key_tiles_match_the_pointer_loads(name, monkeypatch):
     assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
 
 
-def test_tma_is_dropped_where_bk_does_not_divide_k(monkeypatch):
+def test_tma_is_dropped_where_bk_does_not_divide_k(wy_launches):
     """K = 48 with BK = 64: a [BT, 64] box would read the next head's columns, so the pointer loads run."""
     spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == "gated_delta_rule")
     module = importlib.import_module("generated.gated_delta_rule")
-    seen = []
-    monkeypatch.setattr(module, "_WY_FAST", {bt: _Recorder(kernel, seen) for bt, kernel in module._WY_FAST.items()})
+    seen = wy_launches(module)
     inputs = make_inputs(spec, B=1, T=70, H=2, HV=2, K=48, V=32, dtype=torch.float16, h0=True, seed=2)
     o, ht = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=64)
     assert seen and all(not kw.get("TMA") and not _descriptors(args) for args, kw in seen)
