@@ -298,9 +298,10 @@ LAUNCH_KEY_ATTRIBUTE = "gdngen_launch_key"
 
 def descriptor_key(desc) -> tuple:
     """What a host tensor descriptor's specialisation and launch read off it, but its base's address."""
-    return (desc.base.dtype, tuple(desc.block_shape), getattr(desc, "layout", None), desc.padding, desc.base.data_ptr() & 15 == 0,
-            tuple(map(_int_key_cached, desc.shape)), tuple(map(_int_key_cached, desc.strides)),
-            getattr(desc, "round_f32_to_tf32", False))
+    # (a Gluon descriptor carries its shared layout; triton.tools' has none)
+    return (desc.base.dtype, tuple(desc.block_shape), getattr(desc, "layout", None), desc.padding,
+            desc.base.data_ptr() & 15 == 0, tuple(map(_int_key_cached, desc.shape)),
+            tuple(map(_int_key_cached, desc.strides)), getattr(desc, "round_f32_to_tf32", False))
 
 
 def _descriptor_key(desc) -> tuple:
