@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from gdngen.runtime.launch import LAUNCH_KEY_ATTRIBUTE, descriptor_key
+
 
 def _scratch(size: int, alignment: int, stream: Optional[int]):
     # the launcher's per-launch descriptor workspace (128 bytes per descriptor and program)
@@ -97,7 +99,6 @@ def memoised_row_descriptor(x: torch.Tensor, columns: int, block: list, build):
     and later ones of that shape copy its fields, take ``x`` as their base (what depends on the base, its dtype
     and its 16-byte alignment, is the memo's key and checked here) and carry its launch key (~1 us in all). The
     memo keeps no tensor."""
-    from gdngen.runtime.launch import LAUNCH_KEY_ATTRIBUTE, descriptor_key
     key = (build, x.dtype, x.numel(), columns, block[0], block[1])
     known = _ROW_DESCRIPTORS.get(key)
     if known is not None and x.data_ptr() % 16 == 0:
@@ -127,3 +128,15 @@ def tile_descriptor(x: torch.Tensor, columns: int, block: list):
     kernels' (:func:`memoised_row_descriptor`). Built on the host, not in each program: a kernel of one short
     program per chunk (the forward wy stage) lost ~10 us at (4,8192,16,32) to per-program descriptors."""
     return memoised_row_descriptor(x, columns, block, _triton_descriptor)
+
+
+def key_tile_config(config: dict, k: torch.Tensor, *, H: int, K: int, BT: int):
+    """``(config, k_desc)`` for the forward wy stage's key tiles: where ``config`` asks for TMA, k allows it
+    (:func:`tma_usable`) and BK divides K (a [BT, BK] box past a head's K would read the next head's columns), a
+    host descriptor over k's [B * T, H * K] rows (:func:`tile_descriptor`); otherwise no descriptor and TMA off,
+    with BK kept to 64: the pointer loads stage the tile in the one warp's registers."""
+    if config.get("TMA") and K % config["BK"] == 0 and tma_usable(k, sizes=(K,)):
+        return config, tile_descriptor(k, H * K, [BT, config["BK"]])
+    if "TMA" in config:
+        config = dict(config, TMA=False, BK=min(config["BK"], 64))
+    return config, None
