@@ -1,6 +1,7 @@
 """The fused forward state pass in Gluon (stages/state_gluon.py.j2, gdngen.runtime.gluon): which specs
 render it, when a call takes it, and how many pieces it cuts a sequence into. Gluon does not run on
 the CPU interpreter; its outputs are checked on the H200 (tests/test_gluon_state_gpu.py)."""
+import contextlib
 import importlib
 
 import pytest
@@ -119,6 +120,50 @@ def test_fast_launch_takes_gluon_kernels(monkeypatch):
     assert isinstance(launch.fast(kernel), launch.FastLaunch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert launch.fast(kernel) is kernel
+
+
+@pytest.mark.parametrize("bv, kept, split, launched", [
+    (128, False, None, "split"),     # the default at BV = V without kept states
+    (128, False, False, "one"),      # override: the one-chain kernel
+    (64, False, None, "one"),        # half the values a program: one warpgroup, nothing to split
+    (128, True, None, "one"),        # a training forward (h and V_new written): the one-chain kernel
+])
+def test_split_pass_where_it_applies(monkeypatch, bv, kept, split, launched):
+    """Which Gluon kernel the forward pass launches, and the split kernel's launch: one program per (sequence,
+    value head), v and o in [BT, BV / 2] boxes (one per chain warpgroup), the registers shared out."""
+    if not gluon.AVAILABLE:
+        pytest.skip("no Gluon")
+    module = importlib.import_module("generated.gated_delta_rule")
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.name, grid, args, kwargs))
+    monkeypatch.setattr(module, "_state_output_gluon_split_fast", Recorder("split"))
+    monkeypatch.setattr(module, "_state_output_gluon_fast", Recorder("one"))
+    B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
+    q = k = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    v = o = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
+    tmat = torch.zeros(B, T, HV, BT, dtype=torch.float16)
+    beta_act = g_cum = torch.zeros(B, T, HV)
+    h = torch.zeros(B, T // BT, HV, K, V, dtype=torch.bfloat16) if kept else None
+    values = torch.zeros_like(v) if kept else None
+    with override("gated_delta_rule", "gluon_state_split", value=split) if split is not None else \
+            contextlib.nullcontext():
+        module._state_output_gluon(k, q, v, tmat, o, beta_act, g_cum, None, None, None, 0.1, T, B, H, HV, K, V, bv,
+                                   BT, torch.bfloat16, h=h, values=values)
+    [(name, grid, args, kwargs)] = calls
+    assert name == launched
+    if name == "split":
+        assert grid == (1, B * HV) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 168
+        assert [args[i].block_shape for i in (2, 4)] == [[BT, V // 2], [BT, V // 2]]    # v and o boxes
+        # three warpgroups share 3 x 168 registers a thread: half 0's chain gets what the others leave
+        assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
+    else:
+        assert grid == (V // bv, B * HV)
 
 
 def test_score_dtype_constexpr():

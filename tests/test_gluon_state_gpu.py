@@ -37,22 +37,25 @@ def counted(monkeypatch):
     return _counting(monkeypatch, "_state_output_gluon")
 
 
-@pytest.mark.parametrize("bv", [64, 128])
+@pytest.mark.parametrize("bv, split", [(64, True), (128, True), (128, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape, h0, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), True, 4),     # one long sequence in pieces, an initial state
     (dict(B=3, T=2048, H=4, HV=8), True, 1),     # dense sequences, no pieces
     (dict(B=2, T=4096, H=8, HV=8), False, 2),    # pieces forced, no initial state
 ])
-def test_gluon_pass_is_the_triton_pass(counted, dtype, shape, h0, pieces, bv):
-    """At either value tile (half the values a program, two programs an SM; all of them, one)."""
+def test_gluon_pass_is_the_triton_pass(counted, dtype, shape, h0, pieces, bv, split):
+    """At either value tile (half the values a program, two programs an SM; all of them, one), and at all
+    of them as one chain or split into two chain warpgroups and a scores warpgroup (split: the default;
+    at half the values it does not apply)."""
     module, launches = counted
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=21, K=128, V=128, h0=h0, **shape)
     outputs = {}
     for gluon in (True, False):
         with override(NAME, "gluon_state", value=gluon), override(NAME, "state_pieces", value=pieces), \
-                override(NAME, "gluon_state_bv", value=bv), poisoned_memory():
+                override(NAME, "gluon_state_bv", value=bv), override(NAME, "gluon_state_split", value=split), \
+                poisoned_memory():
             outputs[gluon] = call(module, spec, inputs, output_final_state=True)
     assert launches == [pieces * shape["B"]]  # the Gluon pass ran once, over every piece; the Triton one without it
     (o, ht), (o_triton, ht_triton) = outputs[True], outputs[False]
