@@ -126,7 +126,8 @@ def test_fast_launch_takes_gluon_kernels(monkeypatch):
     (128, False, None, "split"),     # the default at BV = V without kept states
     (128, False, False, "one"),      # override: the one-chain kernel
     (64, False, None, "one"),        # half the values a program: one warpgroup, nothing to split
-    (128, True, None, "one"),        # a training forward (h and V_new written): the one-chain kernel
+    (128, True, None, "split"),      # a training forward (h and V_new written, in halves)
+    (128, True, False, "one"),
 ])
 def test_split_pass_where_it_applies(monkeypatch, bv, kept, split, launched):
     """Which Gluon kernel the forward pass launches, and the split kernel's launch: one program per (sequence,
@@ -160,6 +161,9 @@ def test_split_pass_where_it_applies(monkeypatch, bv, kept, split, launched):
     if name == "split":
         assert grid == (1, B * HV) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 168
         assert [args[i].block_shape for i in (2, 4)] == [[BT, V // 2], [BT, V // 2]]    # v and o boxes
+        assert kwargs["STORE_STATES"] == kept
+        if kept:                                                                        # h and V_new boxes
+            assert [args[i].block_shape for i in (5, 6)] == [[K, V // 2], [BT, V // 2]]
         # three warpgroups share 3 x 168 registers a thread: half 0's chain gets what the others leave
         assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
     else:

@@ -101,22 +101,24 @@ def _forward_backward(module, spec, inputs, seed):
     return o.detach(), ht.detach(), dict(zip(leaves, grads))
 
 
-@pytest.mark.parametrize("bv", [None, 64])
+@pytest.mark.parametrize("bv, split", [(None, True), (None, False), (64, True)])
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
 ])
-def test_training_forward_through_the_gluon_pass(counted, shape, pieces, bv):
+def test_training_forward_through_the_gluon_pass(counted, shape, pieces, bv, split):
     """A forward for a backward: the Gluon pass writes o beside h and V_new, which are the Triton pass's
     bit for bit (so every gradient is the Triton stages', dh0 included); o against the output stage's
-    and float64."""
+    and float64. At all the values a program: split (the default; each chain warpgroup stores its half of
+    h and V_new) or one chain."""
     module, launches = counted
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=25, K=128, V=128, h0=True, **shape)
     results = {}
     for gluon in (True, False):
         with override(NAME, "gluon_training", value=gluon), override(NAME, "state_pieces", value=pieces), \
-                contextlib.ExitStack() as stack, poisoned_memory():
+                override(NAME, "gluon_state_split", value=split), contextlib.ExitStack() as stack, \
+                poisoned_memory():
             if bv is not None:           # the default keeps V; half of it writes h and V_new in halves too
                 stack.enter_context(override(NAME, "gluon_state_bv", value=bv))
             results[gluon] = _forward_backward(module, spec, inputs, seed=26)

@@ -116,9 +116,10 @@ def state_value_tile(spec_name: str, *, keep_states: bool) -> int:
 
 
 def state_pass_split(spec_name: str) -> bool:
-    """Whether the Gluon forward pass at BV = V without kept states runs split by warp specialisation
-    (stages/state_gluon.py.j2's _state_output_gluon_split_kernel): the two value halves' chains as independent
-    warpgroups and a third forming the scores, outputs bit for bit the one-chain kernel's. On by default:
+    """Whether the Gluon forward pass at BV = V runs split by warp specialisation (stages/state_gluon.py.j2's
+    _state_output_gluon_split_kernel): the two value halves' chains as independent warpgroups and a third
+    forming the scores, outputs (h and V_new too, in a forward for a backward) bit for bit the one-chain
+    kernel's. On by default:
     stop 48 measured the pass 413.5 -> 357.7 us at (4,8192,16,32), 467.6 -> 392.4 at (1,32768,32,32) and
     106.2 -> 102.6 at (8,2048,16,16). ``override(spec, "gluon_state_split", value=False)`` keeps the
     one-chain kernel (tests compare the two)."""
