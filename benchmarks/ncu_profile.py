@@ -14,13 +14,11 @@ names start with an underscore, so `--kernel-name regex:^_` keeps PyTorch's own 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 
 import torch
 
 from benchmarks.profile_stages import step_fn
-from gdngen.runtime import override
 from gdngen.spec import load_spec
 
 
@@ -29,16 +27,12 @@ def main():
     parser.add_argument("--spec", default="gated_delta_rule")
     parser.add_argument("--case", default="4,8192,16,16", help="B,T,H,HV (K = V = 128, bf16)")
     parser.add_argument("--backward", action="store_true", help="profile a forward+backward step")
-    parser.add_argument("--gluon-bv", type=int, default=None,
-                        help="the Gluon forward pass's value tile (override gluon_state_bv: 64 or 128)")
     a = parser.parse_args()
     spec = load_spec(f"specs/{a.spec}.yaml")
     module = importlib.import_module(f"generated.{spec.name}")
     case = [int(x) for x in a.case.split(",")]
     print(f"ncu_profile: spec={spec.name} case={case} backward={a.backward}", flush=True)
-    with torch.set_grad_enabled(a.backward), contextlib.ExitStack() as stack:
-        if a.gluon_bv is not None:
-            stack.enter_context(override(spec.name, "gluon_state_bv", value=a.gluon_bv))
+    with torch.set_grad_enabled(a.backward):
         step = step_fn(spec, module, case, backward=a.backward)
         for _ in range(3):
             step()

@@ -1,7 +1,6 @@
 """The fused forward state pass in Gluon (stages/state_gluon.py.j2, gdngen.runtime.gluon): which specs
 render it, when a call takes it, and how many pieces it cuts a sequence into. Gluon does not run on
 the CPU interpreter; its outputs are checked on the H200 (tests/test_gluon_state_gpu.py)."""
-import contextlib
 import importlib
 
 import pytest
@@ -70,7 +69,7 @@ def test_override_turns_it_off_and_names_the_chunk():
 
 
 def test_one_program_per_sm_pieces():
-    """The Gluon pass holds one program per SM (147 KB of shared memory) with the whole V per program."""
+    """The Gluon pass holds one program per SM (176-192 KB of shared memory) with the whole V per program."""
     def call(N, HV, T):
         return state_pieces("gated_delta_rule", N=N, HV=HV, V=128, T=T, BT=64, value_tile=lambda n: 128, per_sm=1)
 
@@ -83,30 +82,6 @@ def test_one_program_per_sm_pieces():
         assert call(1, 8, 4096) == 2            # no piece shorter than 32 chunks
         # two per SM (the Triton pass's default) doubles the count where the chunks allow it
         assert state_pieces("gated_delta_rule", N=1, HV=32, V=128, T=32768, BT=64, value_tile=lambda n: 128) == 8
-
-
-def test_value_tile_and_its_programs_per_sm():
-    """All the values a program by default (half of them, two programs an SM, was no faster: stop 45); the
-    override forces 64 or 128 and names itself otherwise; the piece count fills two programs an SM at half
-    the values."""
-    assert gluon.state_value_tile("gated_delta_rule", keep_states=False) == 128
-    assert gluon.state_value_tile("gated_delta_rule", keep_states=True) == 128
-    assert gluon.state_programs_per_sm(64) == 2 and gluon.state_programs_per_sm(128) == 1
-    with override("gated_delta_rule", "gluon_state_bv", value=64):
-        assert gluon.state_value_tile("gated_delta_rule", keep_states=False) == 64
-    with override("gated_delta_rule", "gluon_state_bv", value=32):
-        with pytest.raises(ValueError, match="gluon_state_bv"):
-            gluon.state_value_tile("gated_delta_rule", keep_states=False)
-
-    def call(N, HV, T):
-        return state_pieces("gated_delta_rule", N=N, HV=HV, V=128, T=T, BT=64, value_tile=lambda n: 64,
-                            per_sm=gluon.state_programs_per_sm(64))
-
-    with use_device(H200):
-        assert call(1, 32, 32768) == 4          # 4 x 32 x 2 = 256 programs on 132 SMs, two each
-        assert call(4, 32, 8192) == 1           # 256 programs already
-        assert call(1, 8, 32768) == 16          # 16 x 8 x 2
-        assert call(1, 8, 4096) == 2            # no piece shorter than 32 chunks
 
 
 def test_fast_launch_takes_gluon_kernels(monkeypatch):
@@ -122,29 +97,20 @@ def test_fast_launch_takes_gluon_kernels(monkeypatch):
     assert launch.fast(kernel) is kernel
 
 
-@pytest.mark.parametrize("bv, kept, split, launched", [
-    (128, False, None, "split"),     # the default at BV = V without kept states
-    (128, False, False, "one"),      # override: the one-chain kernel
-    (64, False, None, "one"),        # half the values a program: one warpgroup, nothing to split
-    (128, True, None, "split"),      # a training forward (h and V_new written, in halves)
-    (128, True, False, "one"),
-])
-def test_split_pass_where_it_applies(monkeypatch, bv, kept, split, launched):
-    """Which Gluon kernel the forward pass launches, and the split kernel's launch: one program per (sequence,
-    value head), v and o in [BT, BV / 2] boxes (one per chain warpgroup), the registers shared out."""
+@pytest.mark.parametrize("kept", [False, True])
+def test_pass_launch(monkeypatch, kept):
+    """The forward pass's launch: one program per (sequence, value head), v and o in [BT, V / 2] boxes (one per
+    chain warpgroup), h's [K, V / 2] and V_new's [BT, V / 2] in a forward for a backward, the registers shared
+    out between three warpgroups."""
     if not gluon.AVAILABLE:
         pytest.skip("no Gluon")
     module = importlib.import_module("generated.gated_delta_rule")
     calls = []
 
     class Recorder:
-        def __init__(self, name):
-            self.name = name
-
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.name, grid, args, kwargs))
-    monkeypatch.setattr(module, "_state_output_gluon_split_fast", Recorder("split"))
-    monkeypatch.setattr(module, "_state_output_gluon_fast", Recorder("one"))
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+    monkeypatch.setattr(module, "_state_output_gluon_fast", Recorder())
     B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
     q = k = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
     v = o = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
@@ -152,22 +118,16 @@ def test_split_pass_where_it_applies(monkeypatch, bv, kept, split, launched):
     beta_act = g_cum = torch.zeros(B, T, HV)
     h = torch.zeros(B, T // BT, HV, K, V, dtype=torch.bfloat16) if kept else None
     values = torch.zeros_like(v) if kept else None
-    with override("gated_delta_rule", "gluon_state_split", value=split) if split is not None else \
-            contextlib.nullcontext():
-        module._state_output_gluon(k, q, v, tmat, o, beta_act, g_cum, None, None, None, 0.1, T, B, H, HV, K, V, bv,
-                                   BT, torch.bfloat16, h=h, values=values)
-    [(name, grid, args, kwargs)] = calls
-    assert name == launched
-    if name == "split":
-        assert grid == (1, B * HV) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 168
-        assert [args[i].block_shape for i in (2, 4)] == [[BT, V // 2], [BT, V // 2]]    # v and o boxes
-        assert kwargs["STORE_STATES"] == kept
-        if kept:                                                                        # h and V_new boxes
-            assert [args[i].block_shape for i in (5, 6)] == [[K, V // 2], [BT, V // 2]]
-        # three warpgroups share 3 x 168 registers a thread: half 0's chain gets what the others leave
-        assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
-    else:
-        assert grid == (V // bv, B * HV)
+    module._state_output_gluon(k, q, v, tmat, o, beta_act, g_cum, None, None, None, 0.1, T, B, H, HV, K, V, BT,
+                               torch.bfloat16, h=h, values=values)
+    [(grid, args, kwargs)] = calls
+    assert grid == (B * HV,) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 168
+    assert [args[i].block_shape for i in (2, 4)] == [[BT, V // 2], [BT, V // 2]]        # v and o boxes
+    assert kwargs["STORE_STATES"] == kept
+    if kept:                                                                            # h and V_new boxes
+        assert [args[i].block_shape for i in (5, 6)] == [[K, V // 2], [BT, V // 2]]
+    # three warpgroups share 3 x 168 registers a thread: half 0's chain gets what the others leave
+    assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
 
 
 def test_score_dtype_constexpr():

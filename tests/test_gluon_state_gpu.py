@@ -1,6 +1,5 @@
 """GPU tier: the fused forward state pass in Gluon (stages/state_gluon.py.j2) against the Triton pass
 over the same pieces (bit for bit, NaN-poisoned buffers) and against float64 (run on the H200)."""
-import contextlib
 import importlib
 import inspect
 
@@ -37,24 +36,20 @@ def counted(monkeypatch):
     return _counting(monkeypatch, "_state_output_gluon")
 
 
-@pytest.mark.parametrize("bv, split", [(64, True), (128, True), (128, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape, h0, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), True, 4),     # one long sequence in pieces, an initial state
     (dict(B=3, T=2048, H=4, HV=8), True, 1),     # dense sequences, no pieces
     (dict(B=2, T=4096, H=8, HV=8), False, 2),    # pieces forced, no initial state
 ])
-def test_gluon_pass_is_the_triton_pass(counted, dtype, shape, h0, pieces, bv, split):
-    """At either value tile (half the values a program, two programs an SM; all of them, one), and at all
-    of them as one chain or split into two chain warpgroups and a scores warpgroup (split: the default;
-    at half the values it does not apply)."""
+def test_gluon_pass_is_the_triton_pass(counted, dtype, shape, h0, pieces):
+    """Bit for bit, with pieces and initial states."""
     module, launches = counted
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=21, K=128, V=128, h0=h0, **shape)
     outputs = {}
     for gluon in (True, False):
         with override(NAME, "gluon_state", value=gluon), override(NAME, "state_pieces", value=pieces), \
-                override(NAME, "gluon_state_bv", value=bv), override(NAME, "gluon_state_split", value=split), \
                 poisoned_memory():
             outputs[gluon] = call(module, spec, inputs, output_final_state=True)
     assert launches == [pieces * shape["B"]]  # the Gluon pass ran once, over every piece; the Triton one without it
@@ -101,26 +96,21 @@ def _forward_backward(module, spec, inputs, seed):
     return o.detach(), ht.detach(), dict(zip(leaves, grads))
 
 
-@pytest.mark.parametrize("bv, split", [(None, True), (None, False), (64, True)])
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
 ])
-def test_training_forward_through_the_gluon_pass(counted, shape, pieces, bv, split):
+def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
     """A forward for a backward: the Gluon pass writes o beside h and V_new, which are the Triton pass's
     bit for bit (so every gradient is the Triton stages', dh0 included); o against the output stage's
-    and float64. At all the values a program: split (the default; each chain warpgroup stores its half of
-    h and V_new) or one chain."""
+    and float64 (each chain warpgroup stores its half of h and V_new)."""
     module, launches = counted
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=25, K=128, V=128, h0=True, **shape)
     results = {}
     for gluon in (True, False):
         with override(NAME, "gluon_training", value=gluon), override(NAME, "state_pieces", value=pieces), \
-                override(NAME, "gluon_state_split", value=split), contextlib.ExitStack() as stack, \
                 poisoned_memory():
-            if bv is not None:           # the default keeps V; half of it writes h and V_new in halves too
-                stack.enter_context(override(NAME, "gluon_state_bv", value=bv))
             results[gluon] = _forward_backward(module, spec, inputs, seed=26)
     assert launches == [pieces * shape["B"]]     # the training forward ran the Gluon pass once
     (o, ht, grads), (o_triton, ht_triton, grads_triton) = results[True], results[False]

@@ -96,45 +96,6 @@ def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: tor
     return None
 
 
-def state_value_tile(spec_name: str, *, keep_states: bool) -> int:
-    """The value rows BV of the state that one program of the Gluon forward pass holds (16 a warp): V.
-
-    V (two warpgroups, 140 KB of shared memory) reads k, q and T once per head and runs one program per SM.
-    V / 2 (one warpgroup, 106 KB; the scores share the output's tile) lets two programs share an SM, but
-    on the H200 it was no faster (stop 45: the pass 414 against 413 us at (4,8192,16,32) and the forward's
-    do_bench 0.55 against 0.58-0.63 ms; both hold 2 warps per scheduler at 255 registers, and the pass is
-    bound by those warps' issue, 950 instructions a chunk, not by one program's chain). A forward that keeps
-    states keeps V either way (its h and V_new tiles leave room for one program per SM).
-    ``override(spec, "gluon_state_bv", value=64 or 128)`` forces one (tests, benchmarks)."""
-    forced = _OVERRIDES.get((spec_name, "gluon_state_bv"))
-    if forced is not None:
-        value = int(forced["value"])
-        if value not in (STATE_PASS_V // 2, STATE_PASS_V):
-            raise ValueError(f"gluon_state_bv: {STATE_PASS_V // 2} or {STATE_PASS_V}, not {value}")
-        return value
-    return STATE_PASS_V
-
-
-def state_pass_split(spec_name: str) -> bool:
-    """Whether the Gluon forward pass at BV = V runs split by warp specialisation (stages/state_gluon.py.j2's
-    _state_output_gluon_split_kernel): the two value halves' chains as independent warpgroups and a third
-    forming the scores, outputs (h and V_new too, in a forward for a backward) bit for bit the one-chain
-    kernel's. On by default:
-    stop 48 measured the pass 413.5 -> 357.7 us at (4,8192,16,32), 467.6 -> 392.4 at (1,32768,32,32) and
-    106.2 -> 102.6 at (8,2048,16,16). ``override(spec, "gluon_state_split", value=False)`` keeps the
-    one-chain kernel (tests compare the two)."""
-    forced = _OVERRIDES.get((spec_name, "gluon_state_split"))
-    if forced is not None:
-        return bool(forced["value"])
-    return True
-
-
-def state_programs_per_sm(value_tile: int) -> int:
-    """The Gluon forward pass's programs per SM at this value tile (its shared memory): two at V / 2, else
-    one; the pass's piece count (gdngen.runtime.tiles.state_pieces) fills that many."""
-    return 2 if value_tile < STATE_PASS_V else 1
-
-
 def gluon_training(spec_name: str) -> bool:
     """Whether a forward that keeps states for a backward runs the Gluon pass (where it is usable) to
     write the output beside the chunk-start states and V_new, instead of the Triton state pass and the
