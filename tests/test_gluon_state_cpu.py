@@ -130,6 +130,36 @@ def test_pass_launch(monkeypatch, kept):
     assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
 
 
+@pytest.mark.parametrize("from_t", [False, True])
+def test_reverse_pass_launch(monkeypatch, from_t):
+    """The reverse pass's launch: one program per (sequence, value head), dO, dvals and dh in half-value boxes
+    (one per chain warpgroup), W or T whole, the registers shared out between three warpgroups as the forward
+    pass's."""
+    if not gluon.AVAILABLE:
+        pytest.skip("no Gluon")
+    module = importlib.import_module("generated.gated_delta_rule")
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+    monkeypatch.setattr(module, "_state_bwd_gluon_fast", Recorder())
+    B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
+    q = k = w = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    do = dvals = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
+    tmat = torch.zeros(B, T, HV, BT, dtype=torch.float16) if from_t else None
+    g_cum = beta = torch.zeros(B, T, HV)
+    dh = torch.zeros(B * T // BT, HV, K, V, dtype=torch.bfloat16)
+    module._state_bwd_gluon(q, k, None if from_t else torch.zeros(B, T, HV, K, dtype=torch.bfloat16), g_cum, do,
+                            dvals, None, dh, None, None, 0.1, T, B, H, HV, K, V, BT, fused_intra=True, tmat=tmat,
+                            beta=beta if from_t else None)
+    [(grid, args, kwargs)] = calls
+    assert grid == (B * HV,) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 168
+    assert [args[i].block_shape for i in (5, 6, 8)] == [[BT, V // 2], [BT, V // 2], [K, V // 2]]   # dO, dvals, dh
+    assert args[2].block_shape == ([BT, BT] if from_t else [BT, K]) and kwargs["W_FROM_T"] == from_t
+    assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
+
+
 def test_score_dtype_constexpr():
     """The pass's scores dtype goes in as a Gluon dtype; anything but a 16-bit float is refused by name."""
     if not gluon.AVAILABLE:
