@@ -10,7 +10,9 @@ and a forward for a backward runs it too, writing the chunk-start states and V_n
 (stages/backward_chunk_gluon.py.j2, :func:`chunk_bwd_usable`): a tile kernel whose TMA descriptors are built
 on the host (:func:`row_descriptor`), since on the device each of its many short programs paid for its own.
 Since stop 42 it sums each head group of grouped value heads itself, and the backward's wy stage is such a
-kernel too (stages/backward_wy_gluon.py.j2, :func:`wy_bwd_usable`).
+kernel too (stages/backward_wy_gluon.py.j2, :func:`wy_bwd_usable`). The forward (stop 48) and the reverse
+(stop 49) state passes run split by warp specialisation: two chain warpgroups over half the value rows each,
+a third forming what both take from the chunk's [BT, BT] tiles.
 
 On a Triton without Gluon (or without its Hopper module) the names below are None and
 :func:`state_pass_usable` answers False, so the Triton pass serves every call.
