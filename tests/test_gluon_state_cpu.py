@@ -97,6 +97,17 @@ def test_fast_launch_takes_gluon_kernels(monkeypatch):
     assert launch.fast(kernel) is kernel
 
 
+def _record_launches(monkeypatch, module, kernel):
+    """Replace the module's cached launcher ``kernel`` by one that records each launch as (grid, args, kwargs)."""
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+    monkeypatch.setattr(module, kernel, Recorder())
+    return calls
+
+
 @pytest.mark.parametrize("kept", [False, True])
 def test_pass_launch(monkeypatch, kept):
     """The forward pass's launch: one program per (sequence, value head), v and o in [BT, V / 2] boxes (one per
@@ -105,12 +116,7 @@ def test_pass_launch(monkeypatch, kept):
     if not gluon.AVAILABLE:
         pytest.skip("no Gluon")
     module = importlib.import_module("generated.gated_delta_rule")
-    calls = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
-    monkeypatch.setattr(module, "_state_output_gluon_fast", Recorder())
+    calls = _record_launches(monkeypatch, module, "_state_output_gluon_fast")
     B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
     q = k = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
     v = o = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
@@ -138,12 +144,7 @@ def test_reverse_pass_launch(monkeypatch, from_t):
     if not gluon.AVAILABLE:
         pytest.skip("no Gluon")
     module = importlib.import_module("generated.gated_delta_rule")
-    calls = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
-    monkeypatch.setattr(module, "_state_bwd_gluon_fast", Recorder())
+    calls = _record_launches(monkeypatch, module, "_state_bwd_gluon_fast")
     B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
     q = k = w = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
     do = dvals = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
@@ -364,13 +365,7 @@ def test_chunk_stage_in_gluon_key_tiles_per_program(monkeypatch, H, HV, programs
     """With one value head per query head a Gluon chunk-stage program takes every key tile (KT = K / BK: the head's
     dO, V_new, dv and Gs loaded and dP^T formed once); with a head group one key tile, the group summed in it."""
     module = importlib.import_module("generated.gated_delta_rule")
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, kwargs))
-
-    monkeypatch.setattr(module, "_chunk_bwd_gluon_fast", Recorder())
+    launches = _record_launches(monkeypatch, module, "_chunk_bwd_gluon_fast")
     B, T, K, V, BT = 2, 256, 128, 128, 64
     q, k = (torch.zeros(B, T, H, K, dtype=torch.bfloat16) for _ in range(2))
     do, values, dv = (torch.zeros(B, T, HV, V, dtype=torch.bfloat16) for _ in range(3))
@@ -381,7 +376,7 @@ def test_chunk_stage_in_gluon_key_tiles_per_program(monkeypatch, H, HV, programs
     dg_part = torch.zeros(3, B, T, HV)
     module._chunk_bwd_gluon(q, k, values, h, dh, g_cum, do, dv, dq, dk, gs, dg_part, B * T * HV, 1.0, B, T, H, HV,
                             K, V, BT)
-    (grid, kwargs), = launches
+    (grid, _, kwargs), = launches
     assert kwargs["KT"] == key_tiles and kwargs["BK"] * programs_per_chunk * key_tiles == K
     assert grid == (programs_per_chunk, T // BT, B * H)
 
