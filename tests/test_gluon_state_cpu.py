@@ -10,7 +10,7 @@ from gdngen.autotune.device import DeviceInfo, use_device
 from gdngen.plan import build_plan
 from gdngen.runtime import override
 from gdngen.runtime import gluon
-from gdngen.runtime.tiles import state_pieces
+from gdngen.runtime.tiles import state_pieces, window_log_tolerance
 from gdngen.spec import load_spec
 
 H200 = DeviceInfo("NVIDIA H200", (9, 0), sm_count=132)
@@ -195,8 +195,8 @@ def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs
     """One training call of the bundled GDN module per ``runs`` entry, (usable, w_from_t): whether the Gluon
     reverse pass is taken (its usable check patched; the pass itself a stand-in that records what it was
     given and stops the backward: Gluon does not run on the CPU) and whether W is formed from T. Returns,
-    per run, the walks' (INTRA, W_FROM_T, end gradients), the intra and wy_prep stages' launch counts and
-    the stand-in's keywords (None where the Triton pass ran)."""
+    per run, the Triton walks' (INTRA, W_FROM_T, end gradients), the intra and wy_prep stages' launch counts
+    and the stand-in's keywords plus its ``dht`` (None where the Triton pass ran)."""
     from gdngen.selfcheck import call, make_inputs, poisoned_memory
     name = "gated_delta_rule"
     spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
@@ -208,7 +208,7 @@ def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs
             record["walks"].append((kwargs.get("INTRA", False), kwargs.get("W_FROM_T", False), args[8].clone()))
 
     def stand_in(*args, **kwargs):
-        record["gluon"] = kwargs
+        record["gluon"] = dict(kwargs, dht=args[6])
         raise _Stop
     counters = {"state": count_launches(module, "_state_bwd_fast", after=walked),
                 "intra": count_launches(module, "_intra_bwd_fast"),
@@ -239,22 +239,28 @@ def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs
 
 
 @pytest.mark.parametrize("pieces", [1, 3])
-def test_walk_forms_the_intra_part_where_the_gluon_pass_does(monkeypatch, count_launches, pieces):
-    """Where the Gluon reverse pass runs it forms the intra stage's part itself, so that stage does not run,
-    and in pieces the Triton walk before it forms that part too (INTRA) from q, k and dO. The pieces' end
-    gradients the walk hands the Gluon pass must be those of the walk that reads the intra stage's output.
-    Whole sequences (one piece) have no walk: the pass is asked for the intra part."""
+def test_gluon_pass_forms_the_intra_part_and_walks_its_pieces(monkeypatch, count_launches, pieces):
+    """Where the Gluon reverse pass runs it forms the intra stage's part itself, so that stage does not run.
+    In pieces the Triton path walks each piece's end gradient in a launch of its own (reading the intra
+    stage's part); the Gluon pass is given the walk instead (the pieces' sequences, the tolerance, the
+    activated beta for the norm bound) and the sequences' own final gradients, and no walk is launched.
+    Whole sequences (one piece) have no walk. test_gradients_with_w_formed_from_t runs the walk's meaning."""
     triton, gluon = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces,
                                                     runs=[(False, False), (True, False)])
     assert triton["intra"] == 1 and gluon["intra"] == 0
     assert gluon["gluon"]["fused_intra"] and gluon["gluon"]["tmat"] is None
+    assert gluon["walks"] == []
     if pieces == 1:
-        assert triton["walks"] == gluon["walks"] == []
+        assert triton["walks"] == [] and gluon["gluon"].get("walk") is None
         return
-    ((intra_read, _, ends_read),), ((intra_formed, _, ends_formed),) = triton["walks"], gluon["walks"]
-    assert not intra_read and intra_formed
-    assert not ends_formed.isnan().any() and ends_formed.abs().max() > 0
-    assert torch.allclose(ends_formed, ends_read, rtol=1e-5, atol=1e-6), (ends_formed - ends_read).abs().max()
+    ((intra_read, _, ends_read),) = triton["walks"]
+    assert not intra_read and not ends_read.isnan().any()
+    piece_seq, tolerance, beta = gluon["gluon"]["walk"]
+    B, T, HV, BT = 2, 480, 2, 16
+    assert piece_seq.tolist() == [[b * T, b] for b in range(B) for _ in range(3)]
+    assert tolerance == window_log_tolerance(torch.float32)
+    assert beta.shape == (B, T, HV) and beta.dtype == torch.float32 and ((beta > 0) & (beta < 1)).all()
+    assert torch.equal(gluon["gluon"]["dht"], torch.ones(B, HV, BT, BT))   # ht's cotangent, not pieces' ends
 
 
 @pytest.mark.parametrize("pieces", [1, 3])
@@ -270,14 +276,8 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
     assert read["gluon"]["tmat"] is None and read["gluon"]["beta"] is None
     assert formed["gluon"]["tmat"].dtype == torch.float16 and formed["gluon"]["beta"] is not None
     assert formed["gluon"]["fused_intra"]
-    if pieces == 1:
-        assert formed["walks"] == []
-    else:
-        ((_, w_read, ends_read),), ((_, w_formed, ends_formed),) = read["walks"], formed["walks"]
-        assert not w_read and w_formed
-        assert not ends_formed.isnan().any() and ends_formed.abs().max() > 0
-        assert torch.allclose(ends_formed.float(), ends_read.float(), rtol=2e-3, atol=1e-4), \
-            (ends_formed - ends_read).abs().max()
+    assert read["walks"] == formed["walks"] == []         # the Gluon pass walks its pieces itself
+    assert (formed["gluon"].get("walk") is None) == (pieces == 1)
     (float32,) = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces, runs=[(True, True)])
     assert float32["wy_prep"] == 1 and float32["gluon"]["tmat"] is None     # a float32 T: wy_prep forms W
     assert gluon.w_from_t_enabled("gated_delta_rule")
@@ -285,21 +285,74 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
         assert not gluon.w_from_t_enabled("gated_delta_rule")
 
 
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_gluon_forward_pass_walks_its_pieces(monkeypatch, count_launches, pieces, training):
+    """In pieces the Triton forward walks each piece's start state in a launch of its own before its pass; the
+    Gluon pass is given the walk instead (the pieces' sequences, the tolerance) and the sequences' own initial
+    states, and no walk is launched. A forward for a backward (it keeps the states) keeps the walk launch and
+    hands the pass its pieces' start states. test_gluon_pass_is_the_triton_pass (GPU) runs it against the
+    Triton pass."""
+    from gdngen.selfcheck import call, make_inputs
+    name = "gated_delta_rule"
+    spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
+    monkeypatch.setenv("GDNGEN_COMPILE_AHEAD", "0")
+    walks = []
+    count_launches(module, "_state_fwd_fast", after=lambda args, kwargs: walks.append(kwargs.get("WINDOW", False)))
+    seen = {}
+
+    def stand_in(*args, **kwargs):
+        seen.update(kwargs, initial_state=args[7], final_state=args[8], cu_seqlens=args[9], N=args[12])
+        raise _Stop
+    monkeypatch.setattr(module, "state_pass_usable", lambda *a, **kw: True)
+    monkeypatch.setattr(module, "_state_output_gluon", stand_in)
+    B, T, HV, BT = 2, 480, 2, 16
+    inputs = make_inputs(spec, B=B, T=T, H=1, HV=HV, K=16, V=16, seed=31, h0=True)
+    if training:
+        inputs = {n: x.detach().clone().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                  else x for n, x in inputs.items()}
+    with override(name, "state_pieces", value=pieces), pytest.raises(_Stop):
+        call(module, spec, inputs, output_final_state=True, chunk_size=BT)
+    if training and pieces > 1:
+        assert walks == [True] and seen.get("walk") is None and seen["h"] is not None
+        assert seen["initial_state"].shape == (B * pieces, HV, 16, 16)             # the walk's start states
+        return
+    assert walks == []
+    assert torch.equal(seen["initial_state"], inputs["initial_state"])      # the sequences', not the pieces'
+    if pieces == 1:
+        assert seen.get("walk") is None and seen["cu_seqlens"] is None and seen["N"] == B
+        return
+    piece_seq, tolerance = seen["walk"]
+    assert piece_seq.tolist() == [[b * T, b] for b in range(B) for _ in range(pieces)]
+    assert tolerance == window_log_tolerance(inputs["k"].dtype)
+    assert seen["N"] == B * pieces and seen["final_state"].shape == (B * pieces, HV, 16, 16)
+    assert seen["cu_seqlens"].tolist() == [b * T + c * BT for b in range(B) for c in range(0, T // BT, 10)] + [B * T]
+
+
 def _triton_in_the_gluon_pass_place(module):
     """A stand-in for ``_state_bwd_gluon`` that does its work with the Triton reverse pass (same arguments,
     same meaning: the intra part formed in the pass with ``fused_intra``, W formed from ``tmat`` and ``beta``
-    where given), so the backward after it runs on the CPU interpreter."""
+    where given, and with ``walk`` each piece's end gradient from the reverse pass over the chunks after it,
+    the kernel's WINDOW, here the Triton walk's), so the backward after it runs on the CPU interpreter."""
     def reverse_pass(q, k, w, g_cum, do, dvals, dht, dh, dh0, cu_seqlens, scale, T, N, H, HV, K, V, BT,
-                     fused_intra=False, tmat=None, beta=None):
+                     fused_intra=False, tmat=None, beta=None, walk=None):
         chunk_offsets = None
         if cu_seqlens is not None:
             chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
             chunk_offsets = torch.cat([chunks.new_zeros(1), chunks.cumsum(0)]).to(cu_seqlens.dtype)
+        fixed = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=V, IS_VARLEN=cu_seqlens is not None, DELTA=True,
+                     DOT_PRECISION="ieee", INTRA=fused_intra, W_FROM_T=tmat is not None)
+        if walk is not None:
+            piece_seq, tolerance, walk_beta = walk
+            ends = torch.empty(N, HV, K, V, dtype=torch.float32)
+            module._state_bwd_fast[(1, N * HV)](
+                q, k, w, g_cum, dvals, do, dht, dh, ends, dvals, cu_seqlens, chunk_offsets, walk_beta, tmat,
+                piece_seq, tolerance, scale, T, USE_FINAL_GRAD=dht is not None, STORE_INITIAL_GRAD=True, WINDOW=True,
+                **fixed)
+            dht = ends
         module._state_bwd_fast[(1, N * HV)](
             q, k, w, g_cum, dvals, do, dht, dh, dh0, dvals, cu_seqlens, chunk_offsets, beta, tmat, None, 0.,
-            scale, T, H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=V, IS_VARLEN=cu_seqlens is not None, DELTA=True,
-            USE_FINAL_GRAD=dht is not None, STORE_INITIAL_GRAD=dh0 is not None, DOT_PRECISION="ieee",
-            INTRA=fused_intra, W_FROM_T=tmat is not None)
+            scale, T, USE_FINAL_GRAD=dht is not None, STORE_INITIAL_GRAD=dh0 is not None, **fixed)
     return reverse_pass
 
 

@@ -123,14 +123,14 @@ def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
 
 
 @pytest.mark.parametrize("shape, pieces", [
-    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (the Triton walk, then the Gluon pass)
+    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (their walks in the Gluon pass)
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
 ])
 @pytest.mark.parametrize("w_from_t", [False, True])
 def test_reverse_pass_in_gluon(monkeypatch, count_launches, shape, pieces, w_from_t):
     """The backward's reverse state pass in Gluon (the default; override gluon_state_bwd) against the Triton
-    pass, and both against float64. It forms the intra stage's part itself (the walk before it too, in
-    pieces), so that stage does not run, and keeps it in float32 where the intra stage rounds it to bf16
+    pass, and both against float64. It forms the intra stage's part itself (over its pieces' walks too: each
+    walks on over the chunks after it first, no walk launch), so that stage does not run, and keeps it in float32 where the intra stage rounds it to bf16
     before the sum: dvals then differ from the Triton pass's by bf16 roundings (2^-8 relative at most per
     rounding), and every gradient must be as close to float64 as the Triton pass's or closer (5% slack: the
     two differ by roundings). ``w_from_t`` (override gluon_w_from_t, the default): the pass and the walk form
