@@ -242,8 +242,8 @@ def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs
 def test_gluon_pass_forms_the_intra_part_and_walks_its_pieces(monkeypatch, count_launches, pieces):
     """Where the Gluon reverse pass runs it forms the intra stage's part itself, so that stage does not run.
     In pieces the Triton path walks each piece's end gradient in a launch of its own (reading the intra
-    stage's part); the Gluon pass is given the walk instead (the pieces' sequences, the tolerance, the
-    activated beta for the norm bound) and the sequences' own final gradients, and no walk is launched.
+    stage's part); the Gluon pass is given the walk instead (the pieces' sequences and the tolerance, with
+    the activated beta for the norm bound) and the sequences' own final gradients, and no walk is launched.
     Whole sequences (one piece) have no walk. test_gradients_with_w_formed_from_t runs the walk's meaning."""
     triton, gluon = _backward_before_the_gluon_pass(monkeypatch, count_launches, pieces=pieces,
                                                     runs=[(False, False), (True, False)])
@@ -255,7 +255,7 @@ def test_gluon_pass_forms_the_intra_part_and_walks_its_pieces(monkeypatch, count
         return
     ((intra_read, _, ends_read),) = triton["walks"]
     assert not intra_read and not ends_read.isnan().any()
-    piece_seq, tolerance, beta = gluon["gluon"]["walk"]
+    (piece_seq, tolerance), beta = gluon["gluon"]["walk"], gluon["gluon"]["beta"]
     B, T, HV, BT = 2, 480, 2, 16
     assert piece_seq.tolist() == [[b * T, b] for b in range(B) for _ in range(3)]
     assert tolerance == window_log_tolerance(torch.float32)
@@ -273,7 +273,8 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
                                            runs=[(True, False), (True, True)], dtype=torch.float16)
     read, formed = runs
     assert read["wy_prep"] == 1 and formed["wy_prep"] == 0
-    assert read["gluon"]["tmat"] is None and read["gluon"]["beta"] is None
+    assert read["gluon"]["tmat"] is None
+    assert (read["gluon"]["beta"] is None) == (pieces == 1)    # reading W, beta goes only to the pieces' walk
     assert formed["gluon"]["tmat"].dtype == torch.float16 and formed["gluon"]["beta"] is not None
     assert formed["gluon"]["fused_intra"]
     assert read["walks"] == formed["walks"] == []         # the Gluon pass walks its pieces itself
@@ -343,10 +344,10 @@ def _triton_in_the_gluon_pass_place(module):
         fixed = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=K, BV=V, IS_VARLEN=cu_seqlens is not None, DELTA=True,
                      DOT_PRECISION="ieee", INTRA=fused_intra, W_FROM_T=tmat is not None)
         if walk is not None:
-            piece_seq, tolerance, walk_beta = walk
+            piece_seq, tolerance = walk
             ends = torch.empty(N, HV, K, V, dtype=torch.float32)
             module._state_bwd_fast[(1, N * HV)](
-                q, k, w, g_cum, dvals, do, dht, dh, ends, dvals, cu_seqlens, chunk_offsets, walk_beta, tmat,
+                q, k, w, g_cum, dvals, do, dht, dh, ends, dvals, cu_seqlens, chunk_offsets, beta, tmat,
                 piece_seq, tolerance, scale, T, USE_FINAL_GRAD=dht is not None, STORE_INITIAL_GRAD=True, WINDOW=True,
                 **fixed)
             dht = ends
