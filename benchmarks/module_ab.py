@@ -5,8 +5,10 @@
 
 Per case: every gradient (q, k, v, g, beta) of each module against the first module's, as the relative
 L2 difference and the largest absolute one (NaN-poisoned buffers); then fwd+bwd times (``do_bench``
-medians, modules interleaved over two rounds), peak memory, and with ``--profile`` each kernel's device
-time. ``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
+medians, modules interleaved over two rounds, the second in reverse order), peak memory, and with ``--profile``
+each kernel's device time: the median over ``--profile-rounds`` rounds whose order alternates. One unchanged
+kernel profiled once per module in a fixed order read 364-403 us by its place (stop 51); the first round after
+the timed runs is the slow one, so a single round favours whichever module comes later. ``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
 (``override_backward``), each with its gradients' difference to the default tiles'.
 A template change is measured by rendering main's module into an untracked file
 (``git show HEAD:generated/gated_delta_rule.py > variant_tmp/gdr_head.py``) beside the working tree's.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +41,8 @@ def main():
     parser.add_argument("--bwd-tiles", default="", help='e.g. "wy:BV=128,num_warps=8 chunk:BK=64,BV=128"')
     parser.add_argument("--modes", default="fwd+bwd", help='"fwd+bwd", "fwd" (no grad) or both, space separated')
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-rounds", type=int, default=4,
+                        help="profile rounds, the modules' order reversed every other round (medians per kernel)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs, load_module, row_writer
@@ -95,8 +100,9 @@ def main():
         # (every rendering's op has the same name: graphs replayed for one must not serve another)
         for mode in args.modes.split():
             fn = step if mode == "fwd+bwd" else forward
+            timed = variants if mode == "fwd+bwd" else variants[:len(paths)]
             for round_ in range(2):
-                for label, module, override in (variants if mode == "fwd+bwd" else variants[:len(paths)]):
+                for label, module, override in (timed if round_ % 2 == 0 else timed[::-1]):
                     def run(module=module, override=override):
                         fn(module, override)
                     GRAPHS.clear()
@@ -108,9 +114,20 @@ def main():
                                 peak_mib=torch.cuda.max_memory_allocated() >> 20))
             if args.profile:             # (eager: each kernel on its own in the profile)
                 set_graphs(False)
-                for label, module, override in variants[:len(paths)]:
-                    times = kernel_times(lambda: fn(module, override))
-                    record(dict(case, variant=label, mode=mode, kernels_us={k[:40]: round(v, 1) for k, v in times.items()}))
+                profiled = variants[:len(paths)]
+                rounds = {label: [] for label, _, _ in profiled}
+                # rounds in alternating order, medians per kernel: profiled one after another in a fixed order,
+                # one unchanged kernel read 364-403 us by its place in the order (stop 51)
+                for round_ in range(args.profile_rounds):
+                    for label, module, override in (profiled if round_ % 2 == 0 else profiled[::-1]):
+                        rounds[label].append(kernel_times(lambda: fn(module, override), reps=10))
+                for label, _, _ in profiled:
+                    names = {name for times in rounds[label] for name in times}
+                    medians = {name[:40]: round(statistics.median(times.get(name, 0.) for times in rounds[label]), 1)
+                               for name in names}
+                    record(dict(case, variant=label, mode=mode, rounds=args.profile_rounds,
+                                kernels_us=dict(sorted(medians.items(), key=lambda kv: -kv[1])),
+                                total_us_by_round=[round(sum(times.values()), 1) for times in rounds[label]]))
                 set_graphs(True)
         GRAPHS.clear()
 
