@@ -13,7 +13,6 @@ Each row is appended to ``--out`` as it is measured.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,10 +54,11 @@ def main() -> None:
     from gdngen.bench import Case, load_impls, make_inputs
     from gdngen.spec import load_spec
     import generated.gated_delta_rule as module
+    from benchmarks.fused_probe import row_writer
     spec = load_spec(ROOT / "specs" / "gated_delta_rule.yaml")
     impls = load_impls(args.impls.split(","), spec, module, "cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")       # do_bench's L2 clear
-    out = open(args.out, "a") if args.out else None
+    record = row_writer(args.out)
     for text in args.cases.split():
         B, T, H, HV = (int(n) for n in text.split(","))
         inputs = make_inputs(spec, Case(name=text, B=B, T=T, H=H, HV=HV), torch.bfloat16, "cuda")
@@ -81,11 +81,7 @@ def main() -> None:
                         ends[i].record()
                     torch.cuda.synchronize()
                     times += [b.elapsed_time(e) for b, e in zip(begins, ends)]
-            row = dict(case=text, impl=name, first_s=round(first_s, 1), **summarise(times, args.calls))
-            print(json.dumps(row), flush=True)
-            if out:
-                out.write(json.dumps(row) + "\n")
-                out.flush()
+            record(dict(case=text, impl=name, first_s=round(first_s, 1), **summarise(times, args.calls)))
 
 
 if __name__ == "__main__":
