@@ -5,10 +5,11 @@
 
 Per case: every gradient (q, k, v, g, beta) of each module against the first module's, as the relative
 L2 difference and the largest absolute one (NaN-poisoned buffers); then fwd+bwd times (``do_bench``
-medians, modules interleaved over two rounds, the second in reverse order), peak memory, and with ``--profile``
-each kernel's device time: the median over ``--profile-rounds`` rounds whose order alternates. One unchanged
-kernel profiled once per module in a fixed order read 364-403 us by its place (stop 51); the first round after
-the timed runs is the slow one, so a single round favours whichever module comes later. ``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
+medians, modules interleaved over two rounds, the second in reverse order), peak memory, and with
+``--profile`` each kernel's device time: the median over ``--profile-rounds`` rounds whose order alternates.
+One unchanged kernel profiled once per module in a fixed order read 364-403 us by its place (stop 51); the
+first round after the timed runs is the slow one, so a single round favours whichever module comes later.
+``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
 (``override_backward``), each with its gradients' difference to the default tiles'.
 A template change is measured by rendering main's module into an untracked file
 (``git show HEAD:generated/gated_delta_rule.py > variant_tmp/gdr_head.py``) beside the working tree's.
@@ -45,6 +46,8 @@ def main():
                         help="profile rounds, the modules' order reversed every other round (medians per kernel)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.profile_rounds < 1:
+        parser.error(f"--profile-rounds: at least 1, got {args.profile_rounds}")
     from benchmarks.fused_probe import inputs, load_module, row_writer
     from benchmarks.tuner_timing_check import kernel_times
     from gdngen.runtime.backward_tiles import override_backward
