@@ -163,6 +163,27 @@ def test_calls_kept_eager(cache, monkeypatch):
     assert cache.captures == 0 and cache.replays == 0 and cache.eager == 12
 
 
+def test_a_no_grad_call_has_the_larger_work_bound(cache, monkeypatch):
+    """A forward nothing differentiates is graphed up to MAX_WORK_NO_GRAD (its kernels are short against its host
+    time), a call that keeps states for a backward only up to MAX_WORK; past its bound each stays eager."""
+    assert graphs.MAX_WORK_NO_GRAD > graphs.MAX_WORK
+    call, x = _Call(), torch.arange(8.0)                          # work: v.numel() * q.shape[-1] = 64
+    monkeypatch.setattr(graphs, "MAX_WORK", 63)
+    monkeypatch.setattr(graphs, "MAX_WORK_NO_GRAD", 64)
+    for _ in range(3):
+        _run(cache, call, x)
+    assert (cache.eager, cache.captures, cache.replays) == (3, 0, 0)
+    for _ in range(3):
+        out = _run(cache, call, x, no_grad=True)
+        assert torch.equal(out[0], x * 2 + 1)
+        del out
+    assert (cache.eager, cache.captures, cache.replays) == (4, 1, 1)
+    monkeypatch.setattr(graphs, "MAX_WORK_NO_GRAD", 63)
+    for _ in range(2):
+        _run(cache, call, x, no_grad=True)
+    assert (cache.eager, cache.captures, cache.replays) == (6, 1, 1)
+
+
 def test_a_failed_capture_warns_and_keeps_that_call_eager(cache):
     call, x = _Call(), torch.arange(8.0)
     cache.backend.capture_error = RuntimeError("operation not permitted when stream is capturing")

@@ -91,14 +91,40 @@ def test_calls_over_the_work_bound_and_varlen_calls_stay_eager(fresh_graphs, mon
     from generated.gated_delta_rule import chunk_gated_delta_rule
     before = (fresh_graphs.captures, fresh_graphs.replays)
     monkeypatch.setattr(graphs, "MAX_WORK", 1)
+    monkeypatch.setattr(graphs, "MAX_WORK_NO_GRAD", 1)
     x = _inputs(0)
     with torch.no_grad():
         for _ in range(3):
             chunk_gated_delta_rule(**x)
     monkeypatch.setattr(graphs, "MAX_WORK", 1 << 33)
+    monkeypatch.setattr(graphs, "MAX_WORK_NO_GRAD", 1 << 35)
     flat = {n: t.flatten(0, 1).unsqueeze(0) if t.dim() > 2 and n != "initial_state" else t for n, t in x.items()}
     flat["cu_seqlens"] = torch.tensor([0, 300, 1024], device="cuda", dtype=torch.int32)
     with torch.no_grad():
         for _ in range(3):
             chunk_gated_delta_rule(**flat)
     assert (fresh_graphs.captures, fresh_graphs.replays) == before
+
+
+def test_a_no_grad_forward_over_the_training_bound_is_replayed(fresh_graphs, monkeypatch):
+    """Between MAX_WORK and MAX_WORK_NO_GRAD a no-grad forward is replayed (bitwise the eager one's outputs) and a
+    training step stays eager."""
+    from generated.gated_delta_rule import chunk_gated_delta_rule
+    x = _inputs(1)
+    work = x["v"].numel() * x["q"].shape[-1]
+    monkeypatch.setattr(graphs, "MAX_WORK", work - 1)
+    monkeypatch.setattr(graphs, "MAX_WORK_NO_GRAD", work)
+    with torch.no_grad():
+        outs = [[t.clone() for t in chunk_gated_delta_rule(**x, output_final_state=True)] for _ in range(3)]
+    assert (fresh_graphs.captures, fresh_graphs.replays) == (1, 1)
+    graphs.set_enabled(False)
+    with torch.no_grad():
+        want = chunk_gated_delta_rule(**x, output_final_state=True)
+    for got in outs:
+        _equal(got, want)
+    graphs.set_enabled(True)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    do, dht = torch.randn_like(x["v"]), torch.randn_like(x["initial_state"])
+    for _ in range(3):
+        _step(leaves, do, dht)
+    assert (fresh_graphs.captures, fresh_graphs.replays) == (1, 1)

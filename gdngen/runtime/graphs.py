@@ -25,7 +25,7 @@ process and the graphs are freed.
 
 Runs eagerly, never graphed: graphs off (``GDNGEN_CUDA_GRAPHS=0``, :func:`set_enabled`); tensors not on a
 CUDA device; calls doing more than :data:`MAX_WORK` (B T HV K V: the host time of longer calls is hidden
-behind their kernels); a caller that says the call is not graphable (variable-length batches: their chunk
+behind their kernels), or :data:`MAX_WORK_NO_GRAD` for a forward nothing differentiates; a caller that says the call is not graphable (variable-length batches: their chunk
 tables come from a host sync); while the current stream is capturing (the caller's own graph takes the
 launches) or torch.compile traces; while tile overrides, boundary hooks or stage recorders are active, or
 launches are observed (Triton launch hooks, gdngen's compile-ahead recording: they must see each launch).
@@ -40,6 +40,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 MAX_WORK = 1 << 33          # B * T * HV * K * V of the calls graphed: (8, 2048, 16, 16) at K = V = 128 is 2^32
+# A no-grad forward runs ~5x fewer kernel-microseconds per unit of work than a training step, against the same
+# ~0.3-0.6 ms of host: on the H200 the (1, 32768, 32, 32) forward's kernels take ~0.50 ms (2^34) and its host
+# 0.33-0.60 ms a call, so do_bench read 0.51-0.67 ms eager against 0.51-0.54 replayed (benchmarks/NOTES.md,
+# stop 52). At (1, 131072, 16, 32) (2^36) the kernels take ~2 ms: eager and replayed agree. A graph of such a
+# call keeps its output and T (~0.4 GB at 2^34) between calls.
+MAX_WORK_NO_GRAD = 1 << 35
 CAPACITY = 8                # graphs kept, each with its own memory pool
 MAX_EVICTIONS = 32          # evictions before capturing stops for the process
 SIGHTINGS_KEPT = 256        # first sightings remembered (keys only)
@@ -185,10 +191,11 @@ class GraphCache:
         return len(self._replays)
 
     def call(self, name: str, fn: Callable, args: Sequence, *, q: torch.Tensor, v: torch.Tensor,
-             graphable: bool = True):
+             graphable: bool = True, no_grad: bool = False):
         """``fn(*args)``, through a replayed CUDA graph where the call repeats (see the module's docstring).
-        ``q`` and ``v`` size the call's work (B T HV K V), ``graphable=False`` keeps it eager."""
-        key = self._key(name, args, q, v, graphable)
+        ``q`` and ``v`` size the call's work (B T HV K V), ``graphable=False`` keeps it eager, ``no_grad`` (a
+        forward nothing differentiates) bounds the work by :data:`MAX_WORK_NO_GRAD` instead of :data:`MAX_WORK`."""
+        key = self._key(name, args, q, v, graphable, no_grad)
         if key is None:
             self.eager += 1
             return fn(*args)
@@ -207,8 +214,9 @@ class GraphCache:
             return fn(*args)
         return self._capture(key, fn, args, q.device)
 
-    def _key(self, name, args, q, v, graphable) -> Optional[tuple]:
-        if not (_enabled and graphable and self.backend.handles(q)) or v.numel() * q.shape[-1] > MAX_WORK:
+    def _key(self, name, args, q, v, graphable, no_grad=False) -> Optional[tuple]:
+        bound = MAX_WORK_NO_GRAD if no_grad else MAX_WORK
+        if not (_enabled and graphable and self.backend.handles(q)) or v.numel() * q.shape[-1] > bound:
             return None
         if self.backend.capturing() or torch.compiler.is_compiling():
             return None
@@ -257,10 +265,10 @@ GRAPHS = GraphCache()
 
 
 def replay_or_run(name: str, fn: Callable, args: Sequence, *, q: torch.Tensor, v: torch.Tensor,
-                  graphable: bool = True):
+                  graphable: bool = True, no_grad: bool = False):
     """``fn(*args)`` through the process's :class:`GraphCache`."""
-    return GRAPHS.call(name, fn, args, q=q, v=v, graphable=graphable)
+    return GRAPHS.call(name, fn, args, q=q, v=v, graphable=graphable, no_grad=no_grad)
 
 
-__all__ = ["CAPACITY", "GRAPHS", "GraphCache", "MAX_EVICTIONS", "MAX_WORK", "enabled", "launch_context",
+__all__ = ["CAPACITY", "GRAPHS", "GraphCache", "MAX_EVICTIONS", "MAX_WORK", "MAX_WORK_NO_GRAD", "enabled", "launch_context",
            "replay_or_run", "set_enabled"]
