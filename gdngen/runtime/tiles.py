@@ -125,8 +125,8 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
 
 def wy_head_group(config: dict, *, H: int, HV: int, key_dtype: torch.dtype, t_dtype: torch.dtype,
                   store_wu: bool, store_scores: bool) -> int:
-    """How many value heads one program of the forward wy stage takes (its ``G_SHARE``): ``HV // H`` where
-    grouped value heads share a key head, else 1. Those heads' A = strictLower(diag(beta) (K K^T) * decay)
+    """How many value heads one program of the forward wy stage takes (its ``G_SHARE``): 2 where pairs of value
+    heads share a key head (HV = 2 H), else 1. Those heads' A = strictLower(diag(beta) (K K^T) * decay)
     differ only in beta and the decay, so such a program forms the key products K K^T once and solves each
     head's T from them: the grid becomes (chunks, B * H).
 
@@ -134,12 +134,13 @@ def wy_head_group(config: dict, *, H: int, HV: int, key_dtype: torch.dtype, t_dt
     one warp (``config["num_warps"] == 1``, the 16-bit default). There, on sm_90 (Triton 3.6), two heads take
     255 registers and 8 bytes of stack against one head's 182, and on the H200 the stage ran 472.1 -> 425.2 us
     at (1,131072,16,32), 114.8 -> 106.2 at (4,8192,16,32) and 64.2 -> 60.2 at (8,2048,16,32), T bitwise
-    (benchmarks/NOTES.md, stop 52). Two warps a program ran slower (561.4 at (1,131072,16,32))."""
+    (benchmarks/NOTES.md, stop 52). Two warps a program ran slower (561.4 at (1,131072,16,32)). Groups of two
+    only: four heads a program compiled to 32 bytes of stack offline and were not timed."""
     half = (torch.bfloat16, torch.float16)
-    if (HV == H or HV % H or store_wu or store_scores or key_dtype not in half or t_dtype not in half
+    if (HV != 2 * H or store_wu or store_scores or key_dtype not in half or t_dtype not in half
             or config.get("num_warps") != 1):
         return 1
-    return HV // H
+    return 2
 
 
 def store_wu(spec_name: str, *, N: int, HV: int, per_channel: bool = False) -> bool:
