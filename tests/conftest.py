@@ -71,14 +71,15 @@ def spec_variant(tmp_path):
 
 class CountedLaunches:
     """Stands in for a generated module's cached launcher (``launcher[grid](*args, **kwargs)``): counts the
-    launches and passes them on; ``after(args, kwargs)``, where given, sees each launch's arguments once it
-    has run."""
+    launches, keeps their grids (``grids``) and passes them on; ``after(args, kwargs)``, where given, sees each
+    launch's arguments once it has run."""
 
     def __init__(self, launcher, after=None):
-        self.launcher, self.after, self.count = launcher, after, 0
+        self.launcher, self.after, self.count, self.grids = launcher, after, 0, []
 
     def __getitem__(self, grid):
         self.count += 1
+        self.grids.append(tuple(grid))
         launch = self.launcher[grid]
         if self.after is None:
             return launch

@@ -25,29 +25,13 @@ def test_the_rule():
     assert wy_head_group(ONE_WARP, H=16, HV=32, **dict(half, t_dtype=torch.float32)) == 1   # the backward's recomputed T
 
 
-class _Recorded:
-    """A generated module's _WY_FAST entry that records each launch's grid and G_SHARE."""
-
-    def __init__(self, launcher, seen):
-        self.launcher, self.seen = launcher, seen
-
-    def __getitem__(self, grid):
-        launch = self.launcher[grid]
-
-        def run(*args, **kwargs):
-            self.seen.append((tuple(grid), kwargs.get("G_SHARE")))
-            return launch(*args, **kwargs)
-        return run
-
-
 @pytest.mark.parametrize("name", ["gated_delta_rule", "delta_rule"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_grouped_heads_share_the_key_gram(name, dtype, varlen, monkeypatch):
+def test_grouped_heads_share_the_key_gram(name, dtype, varlen, monkeypatch, wy_launches):
     spec = load_spec(f"specs/{name}.yaml")
     module = importlib.import_module(f"generated.{name}")
-    seen = []
-    monkeypatch.setattr(module, "_WY_FAST", {bt: _Recorded(launcher, seen) for bt, launcher in module._WY_FAST.items()})
+    launches = wy_launches(module)
     lengths = [150, 70] if varlen else None
     inputs = make_inputs(spec, B=2, T=150, H=2, HV=4, K=32, V=32, dtype=dtype, seed=3, lengths=lengths)
     undo = patch_bf16_interpreter() if dtype == torch.bfloat16 else (lambda: None)
@@ -56,15 +40,18 @@ def test_grouped_heads_share_the_key_gram(name, dtype, varlen, monkeypatch):
         # would take the wy stage's scores too (the Gluon pass forms its own)
         with override(spec.name, "store_wu", value=False), override(spec.name, "fused_output", value=False):
             o, ht = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=64)
-            shared = seen[:]
+            shared = len(launches)
             # the same call with one program per value head
             monkeypatch.setattr(module, "wy_head_group", lambda config, **kw: 1)
             o1, ht1 = getattr(module, spec.chunk_function)(**inputs, output_final_state=True, chunk_size=64)
     finally:
         undo()
     B = 1 if varlen else 2
-    assert shared and all(g == 2 and grid[1] == B * 2 for grid, g in shared), shared
-    assert all(g == 1 and grid[1] == B * 4 for grid, g in seen[len(shared):])
+    grids = module._WY_FAST[64].grids               # (chunk size 64: the only wy launcher these calls use)
+    seen = [(grid, kwargs["G_SHARE"]) for grid, (_, kwargs) in zip(grids, launches)]
+    assert len(grids) == len(launches) and shared and len(seen) > shared
+    assert all(g == 2 and grid[1] == B * 2 for grid, g in seen[:shared]), seen
+    assert all(g == 1 and grid[1] == B * 4 for grid, g in seen[shared:]), seen
     assert torch.equal(o, o1) and torch.equal(ht, ht1)
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
