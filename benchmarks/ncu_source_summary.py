@@ -25,6 +25,10 @@ import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.ncu_summary import number  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -62,8 +66,13 @@ class Segment:
 
 
 def _int(text: str) -> int:
-    text = text.replace(",", "").strip()
-    return int(text) if text not in ("", "-") else 0
+    """A count of the page ("1,234"; "" or "-" where there is none: 0)."""
+    return int(number(text) or 0)
+
+
+def segment_of(parts: list, address: int) -> str:
+    """The label of the segment ``address`` lies in."""
+    return next((s.label for s in reversed(parts) if s.first <= address), "?")
 
 
 def read_source_page(path: str) -> list:
@@ -117,8 +126,7 @@ def wait_loops(instructions: list, parts: list) -> list:
         if head not in by_address or head > ins.address:
             continue                         # not a loop back onto itself
         target = int(out.group(1), 16)
-        owner = next((s.label for s in reversed(parts) if s.first <= target), "?")
-        loops.append((head, target, owner, ins.executed, instructions[k + 2].executed))
+        loops.append((head, target, segment_of(parts, target), ins.executed, instructions[k + 2].executed))
     return loops
 
 
@@ -146,9 +154,8 @@ def summary(path: str, top: int = 20) -> str:
                          f"{spins / exits if exits else 0.:.1f}")
     lines.append(f"top {top} instructions by samples (segment, two largest reasons)")
     for ins in sorted(instructions, key=lambda i: -i.samples)[:top]:
-        owner = next((s.label for s in reversed(parts) if s.first <= ins.address), "?")
         reasons = ", ".join(f"{r} {v}" for r, v in ins.stalls.most_common(2))
-        lines.append(f"  {ins.samples:7d} {ins.address:#x} [{owner}] {ins.text[:64]:64s} {reasons}")
+        lines.append(f"  {ins.samples:7d} {ins.address:#x} [{segment_of(parts, ins.address)}] {ins.text[:64]:64s} {reasons}")
     return "\n".join(lines)
 
 
