@@ -5,7 +5,8 @@
 # to ncu_profile.py (and into the report's name).
 #   bash benchmarks/ncu_profile.sh "gla 4,8192,16,16 bwd" "gated_delta_rule 1,32768,32,32 fwd --gluon-bv 64"
 # NCU_SOURCE=1 adds per-instruction stall sampling (SourceCounters) and each report's SASS source page,
-# $tag-source.csv, for benchmarks/ncu_source_summary.py.
+# $tag-source.csv, for benchmarks/ncu_source_summary.py. NCU_KERNEL (a regex) profiles only the kernels it
+# matches, e.g. NCU_KERNEL=_chunk_bwd_gluon (SourceCounters replays each kernel many times).
 set -u
 OUT=${OUT:-bench_out}
 work=$(mktemp -d)
@@ -17,7 +18,7 @@ for job in "$@"; do
   tag="$spec-${case//,/x}-$mode"
   [ -n "$extra" ] && tag="$tag$(echo "$extra" | tr -c 'A-Za-z0-9' '_')"
   flag=""; [ "$mode" = bwd ] && flag="--backward"
-  timeout ${NCU_TIMEOUT:-240} ncu --profile-from-start off --clock-control none --kernel-name regex:^_ \
+  timeout ${NCU_TIMEOUT:-240} ncu --profile-from-start off --clock-control none --kernel-name "regex:${NCU_KERNEL:-^_}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats \
     --section SchedulerStats ${NCU_SOURCE:+--section SourceCounters --import-source no} \

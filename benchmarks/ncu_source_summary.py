@@ -6,7 +6,8 @@ Input: the SASS source page of a report taken with the SourceCounters section,
     ncu --import pass.ncu-rep --page source --csv --print-source sass > source.csv
     python benchmarks/ncu_source_summary.py source.csv [--top 20]
 
-(`benchmarks/results/2026-12-04-stop53-ncu-source.sh` is the run this was written for.)
+(`benchmarks/results/2026-12-04-stop53-ncu-source.sh` is the run this was written for.) A report of several
+kernels, or of one kernel launched more than once, is summarised launch by launch.
 
 A warp-specialised Gluon kernel runs its partitions as separate stretches of code, each opened by a
 `USETMAXREG` (the partition's register budget); the summary splits the samples at those instructions, so each
@@ -75,10 +76,26 @@ def segment_of(parts: list, address: int) -> str:
     return next((s.label for s in reversed(parts) if s.first <= address), "?")
 
 
-def read_source_page(path: str) -> list:
-    """The instructions of a `--page source --csv --print-source sass` export, in address order."""
+def read_source_pages(path: str) -> list:
+    """[(kernel name, its instructions in address order)] of a `--page source --csv --print-source sass`
+    export, one entry per profiled launch (a report of several kernels, or of one kernel launched twice, prints
+    one page after another, each opened by a "Kernel Name" row)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
+    opens = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] or [0]
+    pages = []
+    for first, end in zip(opens, opens[1:] + [len(rows)]):
+        name = rows[first][1] if rows[first] and rows[first][0] == "Kernel Name" and len(rows[first]) > 1 else "?"
+        pages.append((name, _instructions(path, rows[first:end])))
+    return pages
+
+
+def read_source_page(path: str) -> list:
+    """The first launch's instructions of a source page export, in address order."""
+    return read_source_pages(path)[0][1]
+
+
+def _instructions(path: str, rows: list) -> list:
     start = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
     if start is None:
         raise ValueError(f"{path}: no 'Address' header row; export it with --page source --csv --print-source sass")
@@ -131,15 +148,20 @@ def wait_loops(instructions: list, parts: list) -> list:
 
 
 def summary(path: str, top: int = 20) -> str:
-    """The report as text; addresses are offsets from the kernel's first instruction."""
-    instructions = read_source_page(path)
+    """The report as text, a section per launch; addresses are offsets from the kernel's first instruction."""
+    pages = read_source_pages(path)
+    return "\n".join(launch_summary(f"{path} [{name}, launch {k + 1} of {len(pages)}]" if len(pages) > 1 else path,
+                                     instructions, top) for k, (name, instructions) in enumerate(pages))
+
+
+def launch_summary(title: str, instructions: list, top: int) -> str:
     base = instructions[0].address if instructions else 0
     for ins in instructions:
         ins.address -= base
         ins.text = re.sub(r"BRA\s+0x([0-9a-f]+)", lambda m: f"BRA +{int(m.group(1), 16) - base:#x}", ins.text)
     parts = segments(instructions)
     total = sum(s.samples for s in parts) or 1
-    lines = [f"{path}: {len(instructions)} instructions, {total} samples"]
+    lines = [f"{title}: {len(instructions)} instructions, {total} samples"]
     lines.append("segment (opened by, at)   samples  share  warp-instr  largest stall reasons")
     for s in parts:
         stalls = s.stalls()

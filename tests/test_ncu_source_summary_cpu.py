@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from benchmarks.ncu_source_summary import read_source_page, segments, summary, wait_loops
+from benchmarks.ncu_source_summary import read_source_page, read_source_pages, segments, summary, wait_loops
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
           "Instructions Executed", "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
@@ -72,3 +72,21 @@ def test_a_page_without_source_counters_is_refused(tmp_path):
     path.write_text('"Kernel Name","_kernel"\n"Address","Source","Instructions Executed"\n')
     with pytest.raises(ValueError, match="SourceCounters"):
         read_source_page(str(path))
+
+
+def test_a_page_of_several_launches_is_summarised_per_launch(tmp_path):
+    """A report of several kernels (or of one launched twice) prints one page after another; each is its own
+    section, its addresses from its own first instruction."""
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        for name, samples in (("_first", 7), ("_second", 11)):
+            writer.writerow(["Kernel Name", name])
+            writer.writerow(HEADER)
+            writer.writerows([_row(0x00, "LDC R1, c[0x0][0x28]", samples=samples, executed=8, wait=samples),
+                              _row(0x10, "EXIT", executed=8)])
+    pages = read_source_pages(str(path))
+    assert [(name, [i.samples for i in ins]) for name, ins in pages] == [("_first", [7, 0]), ("_second", [11, 0])]
+    text = summary(str(path), top=1)
+    assert "[_first, launch 1 of 2]: 2 instructions, 7 samples" in text
+    assert "[_second, launch 2 of 2]: 2 instructions, 11 samples" in text
