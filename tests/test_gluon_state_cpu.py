@@ -435,6 +435,39 @@ def test_chunk_stage_in_gluon_key_tiles_per_program(monkeypatch, H, HV, programs
     assert grid == (programs_per_chunk, T // BT, B * H)
 
 
+@pytest.mark.skipif(not gluon.AVAILABLE, reason="no Gluon Hopper module in this Triton")
+def test_chunk_stage_in_gluon_outputs_by_tma(monkeypatch):
+    """dQ and dK leave the Gluon chunk stage by TMA: a contiguous, aligned gradient of q's dtype is the store's
+    target itself; a strided one (a segment's view, say) gets a contiguous tile the launch writes, copied into it
+    after."""
+    module = importlib.import_module("generated.gated_delta_rule")
+    B, T, H, HV, K, V, BT = 1, 128, 2, 2, 128, 128, 64
+    q, k = (torch.zeros(B, T, H, K, dtype=torch.bfloat16) for _ in range(2))
+    do, values, dv = (torch.zeros(B, T, HV, V, dtype=torch.bfloat16) for _ in range(3))
+    h, dh = (torch.zeros(B * T // BT, HV, K, V, dtype=torch.bfloat16) for _ in range(2))
+    gs, g_cum, dg_part = torch.zeros(B, T, HV, BT, dtype=torch.bfloat16), torch.zeros(B, T, HV), torch.zeros(3, B, T, HV)
+    written = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                names = module._chunk_bwd_gluon_kernel.arg_names
+                for name, fill in (("dq_desc", 1.0), ("dk_desc", 2.0)):
+                    desc = args[names.index(name)]
+                    written.append(desc.base)
+                    desc.base.fill_(fill)         # what the kernel's TMA stores would write
+            return run
+    monkeypatch.setattr(module, "_chunk_bwd_gluon_fast", Launch())
+    dq = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    dk_full = torch.zeros(B, T, H, 2 * K, dtype=torch.bfloat16)
+    dk = dk_full[..., K:]                         # strided: staged
+    module._chunk_bwd_gluon(q, k, values, h, dh, g_cum, do, dv, dq, dk, gs, dg_part, B * T * HV, 1.0, B, T, H, HV,
+                            K, V, BT)
+    assert written[0].data_ptr() == dq.data_ptr() and written[1].data_ptr() != dk.data_ptr()
+    assert written[1].is_contiguous() and written[1].dtype == q.dtype
+    assert bool((dq == 1).all()) and bool((dk == 2).all()) and bool((dk_full[..., :K] == 0).all())
+
+
 def test_chunk_stage_in_gluon_rendered_and_refused_by_name():
     """The backward's chunk stage in Gluon (stages/backward_chunk_gluon.py.j2) is rendered where the Gluon state
     passes are; a call it cannot take names why and keeps the Triton stage."""
