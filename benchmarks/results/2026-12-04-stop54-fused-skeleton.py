@@ -4,7 +4,9 @@ operands; the key-sized partition forms dV_new = K dS' and a [BT, K] product pai
 three [BT, BT] products and one [BT, K]; a loader of LW warps (default 4) issues the TMA. Stub arithmetic, real
 shapes: registers and spills only, nothing runs.
 
-    LW=4 PYTHONPATH=<a Triton 3.6 site>:$PWD python benchmarks/results/2026-12-04-stop54-fused-skeleton.py 160 160 24
+    LW=4 [ONE_ACC=1] PYTHONPATH=<a Triton 3.6 site>:$PWD python benchmarks/results/2026-12-04-stop54-fused-skeleton.py 160 160 24
+
+ONE_ACC=1: the key-sized partition lets dV_new's accumulator go before its next product (one live at a time).
 """
 import os, re, subprocess, sys, tempfile, collections
 import torch
@@ -49,7 +51,7 @@ def _chain(q_s, k_s, do_s, dsp_s, dvn_s, ready, free, dsp_ready, dvn_ready, NT, 
 
 @gluon_jit
 def _keys(q_s, k_s, do_s, h_s, dsp_s, dvn_s, out_s, dsp_ready, dvn_ready, NT, K: gl.constexpr, V: gl.constexpr,
-          BT: gl.constexpr):
+          BT: gl.constexpr, ONE_ACC: gl.constexpr):
     L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, V, 16])
     Lk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
     for i_t in range(NT):
@@ -63,7 +65,10 @@ def _keys(q_s, k_s, do_s, h_s, dsp_s, dvn_s, out_s, dsp_ready, dvn_ready, NT, K:
         # holds them: dk = dV_new-ish @ S^T + dO S^T stub, then dv = T^T dV_new stub
         b_dk = warpgroup_mma(do_s, h_s.permute((1, 0)), gl.zeros([BT, K], gl.float32, Lk), use_acc=False)
         b_dk = warpgroup_mma(dvn_s, dsp_s, b_dk)
-        b_dk = b_dk * gl.sum(b_dv, axis=1)[:, None]
+        if ONE_ACC:
+            b_dk = b_dk * 0.5                          # dV_new already left: one [BT, K] accumulator live at a time
+        else:
+            b_dk = b_dk * gl.sum(b_dv, axis=1)[:, None]    # dV_new's accumulator still live: two at a time
         out_s.store(b_dk.to(gl.bfloat16))
         b_x = warpgroup_mma(k_s, h_s, gl.zeros([BT, V], gl.float32, L), use_acc=False)
         out_s.store(b_x.to(gl.bfloat16))
@@ -89,6 +94,7 @@ def _scores(q_s, k_s, do_s, dvn_s, p_s, q2_s, dvn_ready, NT, K: gl.constexpr, BT
 @gluon_jit
 def fused_skeleton(q_desc, k_desc, do_desc, h_desc, NT, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
                    KEY_REGS: gl.constexpr, SCORES_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                   ONE_ACC: gl.constexpr,
                    num_warps: gl.constexpr):
     tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], tile)
@@ -106,7 +112,7 @@ def fused_skeleton(q_desc, k_desc, do_desc, h_desc, NT, K: gl.constexpr, V: gl.c
     ready, free, dsp_ready, dvn_ready = bars.index(0), bars.index(1), bars.index(2), bars.index(3)
     gl.warp_specialize([
         (_chain, (q_s, k_s, do_s, dsp_s, dvn_s, ready, free, dsp_ready, dvn_ready, NT, K, V, BT)),
-        (_keys, (q_s, k_s, do_s, h_s, dsp_s, dvn_s, out_s, dsp_ready, dvn_ready, NT, K, V, BT)),
+        (_keys, (q_s, k_s, do_s, h_s, dsp_s, dvn_s, out_s, dsp_ready, dvn_ready, NT, K, V, BT, ONE_ACC)),
         (_scores, (q_s, k_s, do_s, dvn_s, p_s, q2_s, dvn_ready, NT, K, BT)),
         (_loader, (q_desc, k_desc, do_desc, h_desc, q_s, k_s, do_s, h_s, ready, free, NT, BT)),
     ], [4, 4, LOADER_WARPS], [KEY_REGS, SCORES_REGS, LOADER_REGS])
@@ -121,7 +127,8 @@ def main():
     args = dict(q_desc=row_descriptor(x, K, [BT, K]), k_desc=row_descriptor(x, K, [BT, K]),
                 do_desc=row_descriptor(x, V, [BT, V]), h_desc=row_descriptor(h, V, [K, V]), NT=64)
     sig = {name: mangle_type(a) for name, a in args.items()}
-    const = dict(K=K, V=V, BT=BT, KEY_REGS=key_regs, SCORES_REGS=scores_regs, LOADER_REGS=loader_regs, LOADER_WARPS=int(os.environ.get("LW", 4)), num_warps=4)
+    const = dict(K=K, V=V, BT=BT, KEY_REGS=key_regs, SCORES_REGS=scores_regs, LOADER_REGS=loader_regs, LOADER_WARPS=int(os.environ.get("LW", 4)),
+                 ONE_ACC=int(os.environ.get("ONE_ACC", 0)), num_warps=4)
     sig.update({n: "constexpr" for n in const})
     fn = fused_skeleton
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()}, {})
@@ -133,7 +140,7 @@ def main():
     sass = subprocess.run([f"{bindir}/nvdisasm", "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout
     ops = collections.Counter(m.group(1) for line in sass.splitlines()
                               if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)))
-    print("regs key/scores/loader", key_regs, scores_regs, loader_regs, re.findall(r"REG:\d+ STACK:\d+", res),
+    print("one accumulator" if const["ONE_ACC"] else "two accumulators", "regs key/scores/loader", key_regs, scores_regs, loader_regs, re.findall(r"REG:\d+ STACK:\d+", res),
           "STL", ops["STL"], "LDL", ops["LDL"], "shared", cc.metadata.shared,
           "USETMAXREG", re.findall(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", sass))
     # spill instructions by partition: the stretch of SASS after each USETMAXREG
