@@ -91,9 +91,15 @@ def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: tor
         return f"chunk {BT}, T={T}: whole {STATE_PASS_BT}-token chunks only"
     if any(t.data_ptr() % 16 for t in (q, k, v)):
         return "a base pointer not 16-byte aligned (TMA)"
-    if not q.is_cuda:
-        return f"tensors on {q.device}: a Hopper GPU only"
-    if not _is_hopper(q):
+    return _device_unusable(q)
+
+
+def _device_unusable(x: torch.Tensor) -> Optional[str]:
+    """Why ``x``'s device cannot run the Gluon kernels, or None (gdngen.runtime.gluon_emulator's copy of this
+    module answers None: its kernels run on the CPU)."""
+    if not x.is_cuda:
+        return f"tensors on {x.device}: a Hopper GPU only"
+    if not _is_hopper(x):
         return "not a Hopper GPU (wgmma)"
     return None
 

@@ -1,0 +1,267 @@
+"""CPU tier for the Gluon kernels (gdngen.runtime.gluon_emulator): first what the emulator itself must catch
+(a tile read before its wait, a shared tile rewritten before its store left, a wrong byte count, a deadlock),
+then the gated delta rule's four Gluon stages run emulated against its Triton stages (under the interpreter,
+bf16 arithmetic as on the GPU: gdngen.bf16_emulation) and float64 - the checks tests/test_gluon_state_gpu.py
+makes on the H200, at CPU sizes."""
+import contextlib
+import inspect
+
+import pytest
+import torch
+
+from gdngen.runtime import gluon_emulator, override
+from gdngen.runtime.gluon_emulator import GluonEmulationError, TensorDescriptor, async_copy, deadlock_after, gl, jit
+from gdngen.runtime.gluon_emulator import mbarrier, tma
+from gdngen.selfcheck import call, gradient_errors, make_inputs, poisoned_memory, reference_outputs, rel_rmse
+from gdngen.spec import load_spec
+
+NAME = "gated_delta_rule"
+ROWS, COLS = 4, 8
+
+
+def _descriptor(x):
+    return TensorDescriptor(x, list(x.shape), [x.shape[1], 1], [ROWS, COLS])
+
+
+# ------------------------------------------------------------------------------------------ the emulator itself
+
+@jit
+def _copy_kernel(src_desc, dst_desc, WAIT: gl.constexpr, EXTRA_BYTES: gl.constexpr):
+    """One block in by TMA, out by TMA store: waiting for the load or not, expecting EXTRA_BYTES too many."""
+    tile = gl.allocate_shared_memory(src_desc.dtype, src_desc.block_type.shape, src_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    bar = bars.index(0)
+    mbarrier.init(bar, count=1)
+    row = gl.program_id(0) * ROWS
+    mbarrier.expect(bar, src_desc.block_type.nbytes + EXTRA_BYTES)
+    tma.async_copy_global_to_shared(src_desc, [row, 0], bar, tile)
+    if WAIT:
+        mbarrier.wait(bar, 0)
+    tma.async_copy_shared_to_global(dst_desc, [row, 0], tile)
+    tma.store_wait(0)
+
+
+def _copy(wait, extra_bytes=0):
+    src = torch.randn(3 * ROWS, COLS)
+    dst = torch.zeros_like(src)
+    _copy_kernel[(3,)](_descriptor(src), _descriptor(dst), WAIT=wait, EXTRA_BYTES=extra_bytes)
+    return src, dst
+
+
+def test_a_tile_read_after_its_wait_is_the_block():
+    src, dst = _copy(wait=True)
+    assert torch.equal(dst, src)
+
+
+def test_a_tile_read_before_its_wait_is_not():
+    _, dst = _copy(wait=False)
+    assert dst.isnan().all()                 # shared memory is NaN until the load lands, at the wait
+
+
+def test_a_wrong_byte_count_is_an_error():
+    with deadlock_after(0.2), pytest.raises(GluonEmulationError, match="deadlock"):
+        _copy(wait=True, extra_bytes=2)      # the phase never completes
+    with pytest.raises(GluonEmulationError, match="bytes more than expected"):
+        _copy(wait=True, extra_bytes=-2)
+
+
+@jit
+def _store_kernel(dst_desc, WAIT_STORE: gl.constexpr):
+    """Two blocks stored from one tile, rewritten between the stores after a store_wait or not."""
+    tile = gl.allocate_shared_memory(dst_desc.dtype, dst_desc.block_type.shape, dst_desc.layout)
+    tile.store(gl.full([ROWS, COLS], 1.0, gl.float32))
+    tma.async_copy_shared_to_global(dst_desc, [0, 0], tile)
+    if WAIT_STORE:
+        tma.store_wait(0)
+    tile.store(gl.full([ROWS, COLS], 2.0, gl.float32))
+    tma.async_copy_shared_to_global(dst_desc, [ROWS, 0], tile)
+    tma.store_wait(0)
+
+
+@pytest.mark.parametrize("wait_store", [True, False])
+def test_a_store_reads_its_tile_when_it_is_waited_for(wait_store):
+    dst = torch.zeros(2 * ROWS, COLS)
+    _store_kernel[(1,)](_descriptor(dst), WAIT_STORE=wait_store)
+    assert torch.equal(dst[:ROWS], torch.full((ROWS, COLS), 1.0 if wait_store else 2.0))
+    assert torch.equal(dst[ROWS:], torch.full((ROWS, COLS), 2.0))
+
+
+@jit
+def _producer(src_desc, ring, ready, free, N):
+    for i in range(N):
+        mbarrier.wait(free.index(i % 2), ((i // 2) & 1) ^ 1)       # the first pass through the ring is free
+        mbarrier.expect(ready.index(i % 2), src_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(src_desc, [i * ROWS, 0], ready.index(i % 2), ring.index(i % 2))
+
+
+@jit
+def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr):
+    o_r = gl.arange(0, ROWS)
+    o_c = gl.arange(0, COLS)
+    for i in range(N):
+        mbarrier.wait(ready.index(i % 2), (i // 2) & 1)
+        gl.store(out + (i * ROWS + o_r[:, None]) * COLS + o_c[None, :], ring.index(i % 2).load() * 2)
+        mbarrier.arrive(free.index(i % 2), count=ARRIVALS)
+
+
+@jit
+def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr):
+    """A loader partition and a consumer over a two-slot ring (ready / free barriers), as the state passes run."""
+    ring = gl.allocate_shared_memory(src_desc.dtype, [2, ROWS, COLS], src_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(free.index(j), count=1)
+    gl.warp_specialize([(_consumer, (out, ring, ready, free, N, ARRIVALS)),
+                        (_producer, (src_desc, ring, ready, free, N))], [1], [24])
+
+
+def test_partitions_over_a_ring():
+    src = torch.randn(7 * ROWS, COLS)
+    out = torch.full_like(src, float("nan"))
+    _ring_kernel[(1,)](_descriptor(src), out, 7, ARRIVALS=1)
+    assert torch.equal(out, 2 * src)
+    with pytest.raises(GluonEmulationError, match="over-arrived"):
+        _ring_kernel[(1,)](_descriptor(src), out, 7, ARRIVALS=2)
+
+
+@jit
+def _cp_async_kernel(src, dst, WAIT: gl.constexpr):
+    tile = gl.allocate_shared_memory(gl.float32, [COLS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    o_c = gl.arange(0, COLS)
+    async_copy.async_copy_global_to_shared(tile, src + o_c)
+    async_copy.commit_group()
+    if WAIT:
+        async_copy.wait_group(0)
+    gl.store(dst + o_c, tile.load())
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_cp_async_copy_lands_at_its_wait_group(wait):
+    src, dst = torch.randn(COLS), torch.zeros(COLS)
+    _cp_async_kernel[(1,)](src, dst, WAIT=wait)
+    assert torch.equal(dst, src) if wait else dst.isnan().all()
+
+
+def test_an_access_past_an_argument_is_an_error():
+    src, dst = torch.randn(COLS - 1), torch.zeros(COLS)
+    with pytest.raises(GluonEmulationError, match="past its argument"):
+        _cp_async_kernel[(1,)](src, dst, WAIT=True)
+
+
+# ------------------------------------------------------------------------------- the gated delta rule's stages
+
+LAUNCHERS = ("_state_output_gluon", "_state_bwd_gluon", "_wy_bwd_gluon", "_chunk_bwd_gluon")
+SWITCHES = ("gluon_state", "gluon_training", "gluon_state_bwd", "gluon_chunk_bwd", "gluon_wy_bwd")
+BARS = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """The emulated module, the interpreter's bf16 as the GPU's, and each Gluon launcher's launches recorded
+    as the sequences or pieces (N) each ran (0 for the tile stages)."""
+    from gdngen.bf16_emulation import patch_bf16_interpreter
+    undo = patch_bf16_interpreter("round")
+    module = gluon_emulator.load_module(NAME)
+    launches = {name: [] for name in LAUNCHERS}
+    originals = {name: getattr(module, name) for name in LAUNCHERS}
+
+    def recording(name):
+        original = originals[name]
+
+        def launch(*args, **kwargs):
+            arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+            launches[name].append(arguments.get("N", 0))
+            return original(*args, **kwargs)
+        return launch
+    for name in LAUNCHERS:
+        setattr(module, name, recording(name))
+    yield module, launches
+    for name in LAUNCHERS:
+        setattr(module, name, originals[name])
+    undo()
+
+
+@contextlib.contextmanager
+def _switched(gluon, pieces, **switches):
+    """Every Gluon switch at ``gluon`` (those in ``switches`` at theirs), ``pieces`` state pieces, fresh buffers
+    NaN-poisoned."""
+    with contextlib.ExitStack() as stack:
+        for switch in SWITCHES:
+            stack.enter_context(override(NAME, switch, value=switches.get(switch, gluon)))
+        for switch, value in switches.items():
+            if switch not in SWITCHES:
+                stack.enter_context(override(NAME, switch, value=value))
+        stack.enter_context(override(NAME, "state_pieces", value=pieces))
+        stack.enter_context(poisoned_memory())
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, h0, pieces", [
+    (dict(B=1, T=512, H=1, HV=2), True, 4),      # one sequence in pieces (their walks in the pass), h0
+    (dict(B=2, T=256, H=2, HV=4), False, 1),     # dense sequences, grouped value heads
+])
+def test_forward_pass(emulated, dtype, shape, h0, pieces):
+    """The forward Gluon pass against the Triton pass and float64. The two sum the same products (bit for bit on
+    the H200); here numpy's and torch's float32 matmuls sum in different orders, so the 16-bit output may differ
+    by a rounding in a few places."""
+    module, launches = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=41, K=128, V=128, h0=h0, **shape)
+    outputs = {}
+    for gluon in (True, False):
+        launches["_state_output_gluon"].clear()
+        with _switched(gluon, pieces):
+            outputs[gluon] = call(module, spec, inputs, output_final_state=True)
+        assert launches["_state_output_gluon"] == ([pieces * shape["B"]] if gluon else [])
+    (o, ht), (o_triton, ht_triton) = outputs[True], outputs[False]
+    assert not o.isnan().any() and not ht.isnan().any()
+    assert rel_rmse(o, o_triton) <= 2 ** -10 and rel_rmse(ht, ht_triton) <= 1e-5
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
+
+
+def _forward_backward(module, spec, inputs, seed):
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen)
+    return dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))))
+
+
+@pytest.mark.parametrize("shape, pieces, switches", [
+    (dict(B=1, T=512, H=1, HV=2), 2, {}),                             # pieces: the reverse pass's walks
+    (dict(B=2, T=256, H=2, HV=4), 1, {}),                             # grouped value heads (G = 2)
+    (dict(B=1, T=256, H=1, HV=3), 1, {}),                             # groups of three
+    (dict(B=1, T=256, H=1, HV=2), 1, {"gluon_w_from_t": False}),      # the reverse pass reading W
+])
+def test_training_step(emulated, shape, pieces, switches):
+    """A training step through the four Gluon stages (the training forward pass, the reverse pass, the wy and
+    chunk stages) against the Triton stages: every gradient within bf16 roundings of theirs (2^-8) and as
+    close to float64 (5% slack), dh0 included, on NaN-poisoned buffers."""
+    module, launches = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=43, K=128, V=128, h0=True, **shape)
+    grads, errors = {}, {}
+    for gluon in (True, False):
+        for calls in launches.values():
+            calls.clear()
+        with _switched(gluon, pieces, **switches):
+            grads[gluon] = _forward_backward(module, spec, inputs, seed=44)
+            ran = {name: list(calls) for name, calls in launches.items()}
+            errors[gluon] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cpu", seed=45, K=128, V=128,
+                                            module=module, **shape)
+        n = pieces * shape["B"]
+        assert ran == ({"_state_output_gluon": [n], "_state_bwd_gluon": [n], "_wy_bwd_gluon": [0],
+                        "_chunk_bwd_gluon": [0]} if gluon else {name: [] for name in LAUNCHERS})
+    assert grads[True].keys() == grads[False].keys() and "initial_state" in grads[True]
+    for name in grads[True]:
+        assert not grads[True][name].isnan().any(), name
+        assert rel_rmse(grads[True][name], grads[False][name]) <= 2 ** -8, name
+    assert all(errors[True][n] <= BARS[n] for n in BARS), errors
+    assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
+
