@@ -9,10 +9,11 @@ import inspect
 import pytest
 import torch
 
+from gdngen import reference
 from gdngen.runtime import gluon_emulator, override
 from gdngen.runtime.gluon_emulator import GluonEmulationError, TensorDescriptor, async_copy, deadlock_after, gl, jit
 from gdngen.runtime.gluon_emulator import mbarrier, tma
-from gdngen.selfcheck import call, gradient_errors, make_inputs, poisoned_memory, reference_outputs, rel_rmse
+from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse
 from gdngen.spec import load_spec
 
 NAME = "gated_delta_rule"
@@ -152,7 +153,7 @@ def test_an_access_past_an_argument_is_an_error():
 
 # ------------------------------------------------------------------------------- the gated delta rule's stages
 
-LAUNCHERS = ("_state_output_gluon", "_state_bwd_gluon", "_wy_bwd_gluon", "_chunk_bwd_gluon")
+LAUNCHERS = ("_state_output_gluon", "_state_bwd_gluon", "_reverse_gluon", "_wy_bwd_gluon", "_chunk_bwd_gluon")
 SWITCHES = ("gluon_state", "gluon_training", "gluon_state_bwd", "gluon_chunk_bwd", "gluon_wy_bwd")
 BARS = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
 
@@ -224,13 +225,25 @@ def test_forward_pass(emulated, dtype, shape, h0, pieces):
 
 
 def _forward_backward(module, spec, inputs, seed):
+    """Every floating input's gradient of one training call, and the cotangents (do, dht) it took."""
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
     o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True)
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen).to(o.dtype)
     dht = torch.randn(ht.shape, generator=gen)
-    return dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))))
+    return dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()), (do, dht)))), (do, dht)
+
+
+def _reference_gradients(spec, inputs, cotangents):
+    """The same gradients through the float64 chunked reference."""
+    leaves = {n: x.detach().double().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    args = {**inputs, **leaves}
+    positional = [args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
+    o, ht = reference.run(spec, *positional, form="chunked", output_final_state=True, **args)
+    do, dht = cotangents
+    return dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()), (do.double(), dht.double()))))
 
 
 @pytest.mark.parametrize("shape, pieces, switches", [
@@ -238,6 +251,7 @@ def _forward_backward(module, spec, inputs, seed):
     (dict(B=2, T=256, H=2, HV=4), 1, {}),                             # grouped value heads (G = 2)
     (dict(B=1, T=256, H=1, HV=3), 1, {}),                             # groups of three
     (dict(B=1, T=256, H=1, HV=2), 1, {"gluon_w_from_t": False}),      # the reverse pass reading W
+    (dict(B=2, T=256, H=2, HV=4), 1, {"gluon_one_chain_bwd": True}),  # the one-chain reverse pass
 ])
 def test_training_step(emulated, shape, pieces, switches):
     """A training step through the four Gluon stages (the training forward pass, the reverse pass, the wy and
@@ -251,17 +265,38 @@ def test_training_step(emulated, shape, pieces, switches):
         for calls in launches.values():
             calls.clear()
         with _switched(gluon, pieces, **switches):
-            grads[gluon] = _forward_backward(module, spec, inputs, seed=44)
-            ran = {name: list(calls) for name, calls in launches.items()}
-            errors[gluon] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cpu", seed=45, K=128, V=128,
-                                            module=module, **shape)
+            grads[gluon], cotangents = _forward_backward(module, spec, inputs, seed=44)
+        ran = {name: list(calls) for name, calls in launches.items()}
         n = pieces * shape["B"]
-        assert ran == ({"_state_output_gluon": [n], "_state_bwd_gluon": [n], "_wy_bwd_gluon": [0],
-                        "_chunk_bwd_gluon": [0]} if gluon else {name: [] for name in LAUNCHERS})
-    assert grads[True].keys() == grads[False].keys() and "initial_state" in grads[True]
-    for name in grads[True]:
+        one_chain = [n] if switches.get("gluon_one_chain_bwd") else []
+        assert ran == ({"_state_output_gluon": [n], "_state_bwd_gluon": [n], "_reverse_gluon": one_chain,
+                        "_wy_bwd_gluon": [0], "_chunk_bwd_gluon": [0]} if gluon else {name: [] for name in LAUNCHERS})
+    want = _reference_gradients(spec, inputs, cotangents)
+    assert grads[True].keys() == grads[False].keys() == want.keys() and "initial_state" in want
+    for name in want:
         assert not grads[True][name].isnan().any(), name
         assert rel_rmse(grads[True][name], grads[False][name]) <= 2 ** -8, name
-    assert all(errors[True][n] <= BARS[n] for n in BARS), errors
-    assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
+        errors[name] = {gluon: rel_rmse(grads[gluon][name], want[name]) for gluon in (True, False)}
+    assert all(errors[n][True] <= BARS[n] for n in BARS), errors
+    assert all(errors[n][True] <= 1.05 * errors[n][False] for n in errors), errors
 
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=1, T=512, H=1, HV=2), 4),            # pieces: each walks on over the chunks after it first
+    (dict(B=2, T=256, H=2, HV=4), 1),            # dense sequences, grouped value heads
+])
+def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces):
+    """The reverse pass with one chain warpgroup (stages/backward_reverse_gluon.py.j2, override
+    gluon_one_chain_bwd) forms every product and rounding of the two-half pass: the gradients agree to float32
+    summation order (a bf16 rounding flipped here and there)."""
+    module, launches = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=47, K=128, V=128, h0=True, **shape)
+    grads = {}
+    for one_chain in (True, False):
+        launches["_reverse_gluon"].clear()
+        with _switched(True, pieces, gluon_one_chain_bwd=one_chain):
+            grads[one_chain], _ = _forward_backward(module, spec, inputs, seed=48)
+        assert launches["_reverse_gluon"] == ([pieces * shape["B"]] if one_chain else [])
+    for name in grads[True]:
+        assert not grads[True][name].isnan().any(), name
+        assert rel_rmse(grads[True][name], grads[False][name]) <= 2e-4, name

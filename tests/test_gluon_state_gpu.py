@@ -215,3 +215,33 @@ def test_backward_stage_in_gluon(monkeypatch, count_launches, stage, shape):
     bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "initial_state": 8e-3, "g": 2e-2, "beta": 2e-2}
     assert all(errors[True][n] <= bars[n] for n in bars if n in errors[True]), errors
     assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (their walks in the pass)
+    (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
+])
+def test_one_chain_reverse_pass(monkeypatch, shape, pieces):
+    """The reverse pass with one chain warpgroup (stages/backward_reverse_gluon.py.j2, override
+    gluon_one_chain_bwd) against the two-half pass: the same products and roundings, so the gradients agree to
+    float32 summation order, and every one is as close to float64 (5% slack)."""
+    module, launches = _counting(monkeypatch, "_reverse_gluon")
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=35, K=128, V=128, h0=True, **shape)
+    results = {}
+    for one_chain in (True, False):
+        with override(NAME, "gluon_one_chain_bwd", value=one_chain), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            results[one_chain] = _forward_backward(module, spec, inputs, seed=36)
+    assert launches == [pieces * shape["B"]]
+    (_, _, grads), (_, _, grads_two) = results[True], results[False]
+    for name in grads:
+        assert not grads[name].isnan().any(), name
+        assert rel_rmse(grads[name], grads_two[name]) <= 2e-4, (name, rel_rmse(grads[name], grads_two[name]))
+    from gdngen.selfcheck import gradient_errors
+    errors = {}
+    for one_chain in (True, False):
+        with override(NAME, "gluon_one_chain_bwd", value=one_chain), override(NAME, "state_pieces", value=pieces):
+            errors[one_chain] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=37, K=128, V=128,
+                                                **shape)
+    assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors

@@ -143,6 +143,16 @@ def w_from_t_enabled(spec_name: str) -> bool:
     return True if forced is None else bool(forced["value"])
 
 
+def one_chain_bwd_enabled(spec_name: str) -> bool:
+    """Whether the Gluon reverse pass runs with one chain warpgroup holding the whole state gradient
+    (stages/backward_reverse_gluon.py.j2: the partitioning of FlashQLA's fused backward, docs/fused_backward.md
+    step 2a) instead of two value halves. Where it runs: the pass's default form (the intra part and W's product
+    formed in it). Off by default until the H200 measures it: ``override(spec, "gluon_one_chain_bwd",
+    value=True)`` turns it on (tests compare the two)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_one_chain_bwd"))
+    return False if forced is None else bool(forced["value"])
+
+
 def chunk_bwd_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, values: torch.Tensor,
                        h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> Optional[str]:
     """Why the backward's chunk stage over these dense inputs cannot run the Gluon kernel
