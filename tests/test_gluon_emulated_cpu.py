@@ -250,7 +250,8 @@ def _reference_gradients(spec, inputs, cotangents):
     (dict(B=1, T=512, H=1, HV=2), 2, {}),                             # pieces: the reverse pass's walks
     (dict(B=2, T=256, H=2, HV=4), 1, {}),                             # grouped value heads (G = 2)
     (dict(B=1, T=256, H=1, HV=3), 1, {}),                             # groups of three
-    (dict(B=1, T=256, H=1, HV=2), 1, {"gluon_w_from_t": False}),      # the reverse pass reading W
+    (dict(B=1, T=256, H=2, HV=2), 1, {"gluon_w_from_t": False}),      # one value head per query head (the
+                                                                      # chunk stage's two key tiles), W read
     (dict(B=2, T=256, H=2, HV=4), 1, {"gluon_one_chain_bwd": True}),  # the one-chain reverse pass
 ])
 def test_training_step(emulated, shape, pieces, switches):
