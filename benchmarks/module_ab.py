@@ -10,7 +10,9 @@ medians, modules interleaved over two rounds, the second in reverse order), peak
 One unchanged kernel profiled once per module in a fixed order read 364-403 us by its place (stop 51); the
 first round after the timed runs is the slow one, so a single round favours whichever module comes later.
 ``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
-(``override_backward``), each with its gradients' difference to the default tiles'.
+(``override_backward``), each with its gradients' difference to the default tiles'. ``--switches`` adds rows of
+the last module with one ``gdngen.runtime.override`` switch set (e.g. ``gluon_one_chain_bwd=1``: the one-chain
+reverse pass), profiled beside the modules.
 A template change is measured by rendering main's module into an untracked file
 (``git show HEAD:generated/gated_delta_rule.py > variant_tmp/gdr_head.py``) beside the working tree's.
 """
@@ -40,6 +42,7 @@ def main():
     parser.add_argument("--modules", required=True, help="module files, space separated (the first is the baseline)")
     parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 8,2048,16,16")
     parser.add_argument("--bwd-tiles", default="", help='e.g. "wy:BV=128,num_warps=8 chunk:BK=64,BV=128"')
+    parser.add_argument("--switches", default="", help='e.g. "gluon_one_chain_bwd=1" (override switches)')
     parser.add_argument("--modes", default="fwd+bwd", help='"fwd+bwd", "fwd" (no grad) or both, space separated')
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rounds", type=int, default=4,
@@ -50,12 +53,14 @@ def main():
         parser.error(f"--profile-rounds: at least 1, got {args.profile_rounds}")
     from benchmarks.fused_probe import inputs, load_module, row_writer
     from benchmarks.tuner_timing_check import kernel_times
+    from gdngen.runtime import override as override_switch
     from gdngen.runtime.backward_tiles import override_backward
     from gdngen.runtime.graphs import GRAPHS, set_enabled as set_graphs
     from gdngen.selfcheck import poisoned_memory
     paths = args.modules.split()
     modules = [load_module(ROOT / p, f"gdr_variant_{i}") for i, p in enumerate(paths)]
     overrides = [parse_override(t) for t in args.bwd_tiles.split()]
+    switches = [(name, bool(int(value))) for name, _, value in (t.partition("=") for t in args.switches.split())]
     record = row_writer(args.out)
 
     for text in args.cases.split():
@@ -65,18 +70,23 @@ def main():
         leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
         gen = torch.Generator(device="cuda").manual_seed(1)
         do = torch.randn(B, T, HV, 128, device="cuda", generator=gen).bfloat16()
-        variants = [(p, m, None) for p, m in zip(paths, modules)]
-        variants += [(f"{paths[-1]} {stage}:{cfg}", modules[-1], (stage, cfg)) for stage, cfg in overrides]
+        # (label, module, what the call runs under)
+        variants = [(p, m, contextlib.nullcontext) for p, m in zip(paths, modules)]
+        variants += [(f"{paths[-1]} {name}={int(value)}", modules[-1],
+                      lambda name=name, value=value: override_switch("gated_delta_rule", name, value=value))
+                     for name, value in switches]
+        profiled = variants[:]
+        variants += [(f"{paths[-1]} {stage}:{cfg}", modules[-1],
+                      lambda stage=stage, cfg=cfg: override_backward(stage, **cfg)) for stage, cfg in overrides]
 
         def step(module, override):
             # (enable_grad: the profiler's caller may not)
-            with override_backward(override[0], **override[1]) if override else contextlib.nullcontext(), \
-                    torch.enable_grad():
+            with override(), torch.enable_grad():
                 o, _ = module.chunk_gated_delta_rule(**x)
                 return torch.autograd.grad(o, leaves, do)
 
         def forward(module, override):
-            with torch.no_grad():
+            with override(), torch.no_grad():
                 return module.chunk_gated_delta_rule(**x, output_final_state=True)
 
         base = None
@@ -92,7 +102,7 @@ def main():
             record(dict(case, variant=label, check="grads vs the first module", diff=diff))
         if "fwd" in args.modes.split():
             outputs = []
-            for label, module, override in variants[:len(paths)]:
+            for label, module, override in profiled:
                 with poisoned_memory():
                     outputs.append(forward(module, override))
                 torch.cuda.synchronize()
@@ -103,7 +113,7 @@ def main():
         # (every rendering's op has the same name: graphs replayed for one must not serve another)
         for mode in args.modes.split():
             fn = step if mode == "fwd+bwd" else forward
-            timed = variants if mode == "fwd+bwd" else variants[:len(paths)]
+            timed = variants if mode == "fwd+bwd" else profiled
             for round_ in range(2):
                 for label, module, override in (timed if round_ % 2 == 0 else timed[::-1]):
                     def run(module=module, override=override):
@@ -117,7 +127,6 @@ def main():
                                 peak_mib=torch.cuda.max_memory_allocated() >> 20))
             if args.profile:             # (eager: each kernel on its own in the profile)
                 set_graphs(False)
-                profiled = variants[:len(paths)]
                 rounds = {label: [] for label, _, _ in profiled}
                 # rounds in alternating order, medians per kernel: profiled one after another in a fixed order,
                 # one unchanged kernel read 364-403 us by its place in the order (stop 51)
