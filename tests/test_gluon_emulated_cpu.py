@@ -253,6 +253,8 @@ def _reference_gradients(spec, inputs, cotangents):
     (dict(B=1, T=256, H=2, HV=2), 1, {"gluon_w_from_t": False}),      # one value head per query head (the
                                                                       # chunk stage's two key tiles), W read
     (dict(B=2, T=256, H=2, HV=4), 1, {"gluon_one_chain_bwd": True}),  # the one-chain reverse pass
+    (dict(B=1, T=512, H=2, HV=2), 2,                                  # ... with the wy stage in it, pieces
+     {"gluon_one_chain_bwd": True, "gluon_reverse_wy": True}),
 ])
 def test_training_step(emulated, shape, pieces, switches):
     """A training step through the four Gluon stages (the training forward pass, the reverse pass, the wy and
@@ -270,8 +272,10 @@ def test_training_step(emulated, shape, pieces, switches):
         ran = {name: list(calls) for name, calls in launches.items()}
         n = pieces * shape["B"]
         one_chain = [n] if switches.get("gluon_one_chain_bwd") else []
+        wy_stage = [] if switches.get("gluon_reverse_wy") else [0]
         assert ran == ({"_state_output_gluon": [n], "_state_bwd_gluon": [n], "_reverse_gluon": one_chain,
-                        "_wy_bwd_gluon": [0], "_chunk_bwd_gluon": [0]} if gluon else {name: [] for name in LAUNCHERS})
+                        "_wy_bwd_gluon": wy_stage, "_chunk_bwd_gluon": [0]} if gluon else
+                       {name: [] for name in LAUNCHERS})
     want = _reference_gradients(spec, inputs, cotangents)
     assert grads[True].keys() == grads[False].keys() == want.keys() and "initial_state" in want
     for name in want:
@@ -284,20 +288,25 @@ def test_training_step(emulated, shape, pieces, switches):
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=1, T=512, H=1, HV=2), 4),            # pieces: each walks on over the chunks after it first
     (dict(B=2, T=256, H=2, HV=4), 1),            # dense sequences, grouped value heads
+    (dict(B=1, T=256, H=3, HV=3), 1),            # one value head per query head
 ])
-def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces):
+@pytest.mark.parametrize("wy", [False, True])
+def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy):
     """The reverse pass with one chain warpgroup (stages/backward_reverse_gluon.py.j2, override
-    gluon_one_chain_bwd) forms every product and rounding of the two-half pass: the gradients agree to float32
-    summation order (a bf16 rounding flipped here and there)."""
+    gluon_one_chain_bwd) forms every product and rounding of the two-half pass, and with the wy stage folded in
+    (override gluon_reverse_wy) every one of the wy stage's: the gradients agree to float32 summation order (a
+    bf16 rounding flipped here and there)."""
     module, launches = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=47, K=128, V=128, h0=True, **shape)
     grads = {}
     for one_chain in (True, False):
-        launches["_reverse_gluon"].clear()
-        with _switched(True, pieces, gluon_one_chain_bwd=one_chain):
+        for name in ("_reverse_gluon", "_wy_bwd_gluon"):
+            launches[name].clear()
+        with _switched(True, pieces, gluon_one_chain_bwd=one_chain, gluon_reverse_wy=wy and one_chain):
             grads[one_chain], _ = _forward_backward(module, spec, inputs, seed=48)
         assert launches["_reverse_gluon"] == ([pieces * shape["B"]] if one_chain else [])
+        assert launches["_wy_bwd_gluon"] == ([] if wy and one_chain else [0])
     for name in grads[True]:
         assert not grads[True][name].isnan().any(), name
         assert rel_rmse(grads[True][name], grads[False][name]) <= 2e-4, name

@@ -220,18 +220,21 @@ def test_backward_stage_in_gluon(monkeypatch, count_launches, stage, shape):
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (their walks in the pass)
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
+    (dict(B=2, T=4096, H=4, HV=4), 2),           # one value head per query head
 ])
-def test_one_chain_reverse_pass(monkeypatch, shape, pieces):
+@pytest.mark.parametrize("wy", [False, True])
+def test_one_chain_reverse_pass(monkeypatch, shape, pieces, wy):
     """The reverse pass with one chain warpgroup (stages/backward_reverse_gluon.py.j2, override
-    gluon_one_chain_bwd) against the two-half pass: the same products and roundings, so the gradients agree to
-    float32 summation order, and every one is as close to float64 (5% slack)."""
+    gluon_one_chain_bwd) against the two-half pass, and with the wy stage folded in (override gluon_reverse_wy)
+    against the wy stage: the same products and roundings, so the gradients agree to float32 summation order,
+    and every one is as close to float64 (5% slack)."""
     module, launches = _counting(monkeypatch, "_reverse_gluon")
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=35, K=128, V=128, h0=True, **shape)
     results = {}
     for one_chain in (True, False):
         with override(NAME, "gluon_one_chain_bwd", value=one_chain), override(NAME, "state_pieces", value=pieces), \
-                poisoned_memory():
+                override(NAME, "gluon_reverse_wy", value=wy), poisoned_memory():
             results[one_chain] = _forward_backward(module, spec, inputs, seed=36)
     assert launches == [pieces * shape["B"]]
     (_, _, grads), (_, _, grads_two) = results[True], results[False]
@@ -241,7 +244,8 @@ def test_one_chain_reverse_pass(monkeypatch, shape, pieces):
     from gdngen.selfcheck import gradient_errors
     errors = {}
     for one_chain in (True, False):
-        with override(NAME, "gluon_one_chain_bwd", value=one_chain), override(NAME, "state_pieces", value=pieces):
+        with override(NAME, "gluon_one_chain_bwd", value=one_chain), override(NAME, "state_pieces", value=pieces), \
+                override(NAME, "gluon_reverse_wy", value=wy):
             errors[one_chain] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=37, K=128, V=128,
                                                 **shape)
     assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors

@@ -153,6 +153,15 @@ def one_chain_bwd_enabled(spec_name: str) -> bool:
     return False if forced is None else bool(forced["value"])
 
 
+def reverse_wy_enabled(spec_name: str) -> bool:
+    """Whether the one-chain reverse pass (:func:`one_chain_bwd_enabled`) forms the backward's wy stage products
+    too, a chunk behind its chain (docs/fused_backward.md step 2b), so that dV_new never reaches memory and the wy
+    stage does not run; where the Gluon wy stage could run (:func:`wy_bwd_usable`). Off by default until the H200
+    measures it: ``override(spec, "gluon_reverse_wy", value=True)`` turns it on (tests compare the two)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_reverse_wy"))
+    return False if forced is None else bool(forced["value"])
+
+
 def chunk_bwd_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, values: torch.Tensor,
                        h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> Optional[str]:
     """Why the backward's chunk stage over these dense inputs cannot run the Gluon kernel
