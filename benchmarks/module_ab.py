@@ -11,8 +11,9 @@ One unchanged kernel profiled once per module in a fixed order read 364-403 us b
 first round after the timed runs is the slow one, so a single round favours whichever module comes later.
 ``--bwd-tiles`` adds rows of the last module with one backward stage's launch parameters overridden
 (``override_backward``), each with its gradients' difference to the default tiles'. ``--switches`` adds rows of
-the last module with one ``gdngen.runtime.override`` switch set (e.g. ``gluon_one_chain_bwd=1``: the one-chain
-reverse pass), profiled beside the modules.
+the last module with ``gdngen.runtime.override`` switches set, one row per space-separated group of
+comma-separated ``name=0|1`` (e.g. ``"gluon_one_chain_bwd=1 gluon_one_chain_bwd=1,gluon_reverse_wy=1"``: the
+one-chain reverse pass, then with the wy stage in it), profiled beside the modules.
 A template change is measured by rendering main's module into an untracked file
 (``git show HEAD:generated/gated_delta_rule.py > variant_tmp/gdr_head.py``) beside the working tree's.
 """
@@ -42,7 +43,8 @@ def main():
     parser.add_argument("--modules", required=True, help="module files, space separated (the first is the baseline)")
     parser.add_argument("--cases", default="4,8192,16,32 1,32768,32,32 8,2048,16,16")
     parser.add_argument("--bwd-tiles", default="", help='e.g. "wy:BV=128,num_warps=8 chunk:BK=64,BV=128"')
-    parser.add_argument("--switches", default="", help='e.g. "gluon_one_chain_bwd=1" (override switches)')
+    parser.add_argument("--switches", default="",
+                        help='e.g. "gluon_one_chain_bwd=1 gluon_one_chain_bwd=1,gluon_reverse_wy=1" (override switches)')
     parser.add_argument("--modes", default="fwd+bwd", help='"fwd+bwd", "fwd" (no grad) or both, space separated')
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rounds", type=int, default=4,
@@ -60,7 +62,8 @@ def main():
     paths = args.modules.split()
     modules = [load_module(ROOT / p, f"gdr_variant_{i}") for i, p in enumerate(paths)]
     overrides = [parse_override(t) for t in args.bwd_tiles.split()]
-    switches = [(name, bool(int(value))) for name, _, value in (t.partition("=") for t in args.switches.split())]
+    switches = [[(name, bool(int(value))) for name, _, value in (item.partition("=") for item in group.split(","))]
+                for group in args.switches.split()]
     record = row_writer(args.out)
 
     for text in args.cases.split():
@@ -72,9 +75,13 @@ def main():
         do = torch.randn(B, T, HV, 128, device="cuda", generator=gen).bfloat16()
         # (label, module, what the call runs under)
         variants = [(p, m, contextlib.nullcontext) for p, m in zip(paths, modules)]
-        variants += [(f"{paths[-1]} {name}={int(value)}", modules[-1],
-                      lambda name=name, value=value: override_switch("gated_delta_rule", name, value=value))
-                     for name, value in switches]
+        def switched(group):
+            stack = contextlib.ExitStack()
+            for name, value in group:
+                stack.enter_context(override_switch("gated_delta_rule", name, value=value))
+            return stack
+        variants += [(f"{paths[-1]} " + ",".join(f"{name}={int(value)}" for name, value in group), modules[-1],
+                      lambda group=group: switched(group)) for group in switches]
         profiled = variants[:]
         variants += [(f"{paths[-1]} {stage}:{cfg}", modules[-1],
                       lambda stage=stage, cfg=cfg: override_backward(stage, **cfg)) for stage, cfg in overrides]
