@@ -2,6 +2,7 @@
 render it, when a call takes it, and how many pieces it cuts a sequence into. Gluon does not run on
 the CPU interpreter; its outputs are checked on the H200 (tests/test_gluon_state_gpu.py)."""
 import importlib
+import types
 
 import pytest
 import torch
@@ -58,6 +59,16 @@ def test_reasons_a_call_keeps_the_triton_pass(change, reason):
         return
     assert why is not None and reason in why, why
     assert not gluon.state_pass_usable("gated_delta_rule", q, k, v, BT=64, **shape)
+
+
+def test_a_triton_whose_gluon_api_differs_keeps_the_triton_stages(monkeypatch):
+    """The Gluon kernels are written for Triton 3.6's Gluon API (3.9 renamed the TMA and cp.async copies): on a
+    Hopper GPU with another Triton every Gluon stage gives way to its Triton stage instead of failing to compile."""
+    assert gluon.gluon_api_unusable((3, 6)) is None
+    assert "3.6" in gluon.gluon_api_unusable((3, 9)) and "Triton 3.9" in gluon.gluon_api_unusable((3, 9))
+    monkeypatch.setattr(gluon, "_is_hopper", lambda x: True)
+    on_hopper = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    assert gluon._device_unusable(on_hopper) == gluon.gluon_api_unusable()
 
 
 def test_override_turns_it_off_and_names_the_chunk():

@@ -94,14 +94,31 @@ def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: tor
     return _device_unusable(q)
 
 
+# The Triton versions whose Gluon API the kernels are written against: 3.6 (the H200 image's). Triton 3.9 renamed
+# tma.async_copy_global_to_shared / async_copy_shared_to_global and async_copy.async_copy_global_to_shared to
+# async_load / async_store and left the old names as stubs that raise when a kernel compiles.
+GLUON_TRITON = frozenset({(3, 6)})
+
+
+def gluon_api_unusable(version: Optional[tuple] = None) -> Optional[str]:
+    """Why this Triton (or ``version``, (major, minor)) cannot compile the generated Gluon kernels, or None."""
+    if version is None:
+        from gdngen.runtime.launch import triton_version
+        version = triton_version()
+    if tuple(version) not in GLUON_TRITON:
+        return (f"Triton {version[0]}.{version[1]}: the Gluon kernels are written for the Gluon API of Triton "
+                + ", ".join(f"{a}.{b}" for a, b in sorted(GLUON_TRITON)))
+    return None
+
+
 def _device_unusable(x: torch.Tensor) -> Optional[str]:
-    """Why ``x``'s device cannot run the Gluon kernels, or None (gdngen.runtime.gluon_emulator's copy of this
-    module answers None: its kernels run on the CPU)."""
+    """Why ``x``'s device (and this Triton) cannot run the Gluon kernels, or None (gdngen.runtime.gluon_emulator's
+    copy of this module answers None: its kernels run on the CPU)."""
     if not x.is_cuda:
         return f"tensors on {x.device}: a Hopper GPU only"
     if not _is_hopper(x):
         return "not a Hopper GPU (wgmma)"
-    return None
+    return gluon_api_unusable()
 
 
 def gluon_training(spec_name: str) -> bool:
