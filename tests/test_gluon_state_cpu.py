@@ -347,7 +347,8 @@ def _triton_in_the_gluon_pass_place(module):
     where given, and with ``walk`` each piece's end gradient from the reverse pass over the chunks after it,
     the kernel's WINDOW, here the Triton walk's), so the backward after it runs on the CPU interpreter."""
     def reverse_pass(q, k, w, g_cum, do, dvals, dht, dh, dh0, cu_seqlens, scale, T, N, H, HV, K, V, BT,
-                     fused_intra=False, tmat=None, beta=None, walk=None):
+                     fused_intra=False, tmat=None, beta=None, walk=None, wy=None):
+        assert wy is None            # (the wy stage's products: the one-chain Gluon pass only, off here)
         chunk_offsets = None
         if cu_seqlens is not None:
             chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + BT - 1) // BT
