@@ -291,11 +291,13 @@ def test_training_step(emulated, shape, pieces, switches):
     (dict(B=1, T=256, H=3, HV=3), 1),            # one value head per query head
 ])
 @pytest.mark.parametrize("wy", [False, True])
-def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy):
+@pytest.mark.parametrize("at_issue", [False, True])
+def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy, at_issue):
     """The reverse pass with one chain warpgroup (stages/backward_reverse_gluon.py.j2, override
     gluon_one_chain_bwd) forms every product and rounding of the two-half pass, and with the wy stage folded in
     (override gluon_reverse_wy) every one of the wy stage's: the gradients agree to float32 summation order (a
-    bf16 rounding flipped here and there)."""
+    bf16 rounding flipped here and there). ``at_issue``: loads land when issued (a slot handed back too early is
+    overwritten under its reader) instead of at their wait (a read before its wait sees NaN)."""
     module, launches = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=47, K=128, V=128, h0=True, **shape)
@@ -303,7 +305,8 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
     for one_chain in (True, False):
         for name in ("_reverse_gluon", "_wy_bwd_gluon"):
             launches[name].clear()
-        with _switched(True, pieces, gluon_one_chain_bwd=one_chain, gluon_reverse_wy=wy and one_chain):
+        with _switched(True, pieces, gluon_one_chain_bwd=one_chain, gluon_reverse_wy=wy and one_chain), \
+                (gluon_emulator.loads_land_at_issue() if at_issue else contextlib.nullcontext()):
             grads[one_chain], _ = _forward_backward(module, spec, inputs, seed=48)
         assert launches["_reverse_gluon"] == ([pieces * shape["B"]] if one_chain else [])
         assert launches["_wy_bwd_gluon"] == ([] if wy and one_chain else [0])

@@ -15,15 +15,19 @@ What is emulated, and how it finds the mistakes a kernel can make:
 - A TMA load, a cp.async copy and a TMA store land *late*: a TMA load when some partition waits on its
   mbarrier, a cp.async group at the ``wait_group`` that retires it, a TMA store at the ``store_wait`` that
   retires it (reading its shared tile then). A tile read before its wait is NaN or stale; a tile rewritten
-  before its store is waited for sends the new contents. Both show in the results.
+  before its store is waited for sends the new contents. Both show in the results. Under
+  :func:`loads_land_at_issue` loads land at once instead, so a slot handed back to the loader before its reader
+  is done with it is overwritten under that reader (as often as the threads' interleaving lets the loader in).
 - An mbarrier counts arrivals and transaction bytes as the hardware does (``expect`` is an arrival with a
   byte count): a phase completes when both reach zero. Bytes past the expected count and arrivals past the
   barrier's count raise :class:`GluonEmulationError`; so does a wait no partition can ever satisfy
   (a deadlock, after ``DEADLOCK_SECONDS`` without progress).
 - ``gl.warp_specialize`` runs each partition in its own thread; the waits above are real waits.
 
-Not emulated: register and shared-memory budgets and spills (``gdngen check --compile-sm90`` compiles for
-sm_90 offline), asynchrony of wgmma (its result is ready at issue), layouts' legality.
+Not emulated: register and shared-memory budgets and spills (the results scripts compile the Gluon kernels for
+sm_90 offline: ``benchmarks/results/*offline*.py``), asynchrony of wgmma (its result is ready at issue), layouts'
+legality. Races are found only as
+far as the two landing modes and the threads' interleaving expose them: there is no happens-before tracking.
 """
 from __future__ import annotations
 
@@ -47,6 +51,10 @@ class GluonEmulationError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- program state
+
+# where TMA and cp.async loads land: at the wait that retires them (a read before its wait sees NaN), or
+# (loads_land_at_issue) at issue (a slot reloaded before its last reader is done hands that reader the new tile)
+_LANDING = {"at_issue": False}
 
 _local = threading.local()
 
@@ -488,7 +496,14 @@ def _make_tma():
         program = _thread().program
         with program.cond:
             bar._check_init()
-            bar.copies.append((copy, desc.block_type.nbytes))
+            if _LANDING["at_issue"]:
+                copy()
+                bar.tx -= desc.block_type.nbytes
+                if bar.tx < 0 and bar.pending == 0:
+                    raise GluonEmulationError(f"an mbarrier received {-bar.tx} bytes more than expected")
+                bar._complete_if_done()
+            else:
+                bar.copies.append((copy, desc.block_type.nbytes))
             program.cond.notify_all()
 
     def async_copy_shared_to_global(desc: TensorDescriptor, coords, smem: SharedMemory):
@@ -526,7 +541,10 @@ def _make_async_copy():
         def copy():
             values = pointer.base[offset]
             smem.data.copy_(values if mask is None else torch.where(mask, values, smem.data))
-        _thread().open_group.append(copy)
+        if _LANDING["at_issue"]:
+            copy()
+        else:
+            _thread().open_group.append(copy)
 
     def commit_group():
         thread = _thread()
@@ -704,6 +722,22 @@ def load_module(name: str) -> types.ModuleType:
             del sys.modules["gdngen.runtime.gluon"]
     _LOADED[name] = module
     return module
+
+
+@contextlib.contextmanager
+def loads_land_at_issue():
+    """Within the block, TMA and cp.async loads land when they are issued, and threads switch every 10 us: a
+    partition that hands a slot back (arrives on its free barrier) before it has finished reading it then reads
+    the next chunk's tile whenever the loader gets in first. The default (loads landing at their wait) finds
+    reads before a wait instead; a test runs a kernel both ways."""
+    before, interval = _LANDING["at_issue"], sys.getswitchinterval()
+    _LANDING["at_issue"] = True
+    sys.setswitchinterval(1e-5)
+    try:
+        yield
+    finally:
+        _LANDING["at_issue"] = before
+        sys.setswitchinterval(interval)
 
 
 @contextlib.contextmanager
