@@ -199,6 +199,19 @@ def _switched(gluon, pieces, **switches):
         yield
 
 
+def test_the_emulated_copy_leaves_the_real_ops_alone(emulated):
+    """The emulated copy's torch.library ops live in a namespace of their own: torch.ops.gdngen.* stay the real
+    module's (defined as gdngen::..., the copy's replaced them, and three library-op tests that count the real
+    module's launches saw none)."""
+    import importlib
+    module, _ = emulated
+    real = importlib.import_module(f"generated.{NAME}")
+    assert module._chunk_gated_delta_rule_op is not real._chunk_gated_delta_rule_op
+    assert str(module._chunk_gated_delta_rule_op._qualname).startswith(gluon_emulator.EMULATED_OP_NAMESPACE + "::")
+    assert str(real._chunk_gated_delta_rule_op._qualname).startswith("gdngen::")
+    assert hasattr(getattr(torch.ops, gluon_emulator.EMULATED_OP_NAMESPACE), "chunk_gated_delta_rule")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape, h0, pieces", [
     (dict(B=1, T=512, H=1, HV=2), True, 4),      # one sequence in pieces (their walks in the pass), h0

@@ -696,6 +696,7 @@ def _gl_dtype(dtype: torch.dtype):
 
 
 _LOADED: dict = {}
+EMULATED_OP_NAMESPACE = "gdngen_gluon_emulated"     # the emulated copies' torch.library ops
 
 
 def load_module(name: str) -> types.ModuleType:
@@ -713,9 +714,18 @@ def load_module(name: str) -> types.ModuleType:
     real = sys.modules.get("gdngen.runtime.gluon")
     sys.modules["gdngen.runtime.gluon"] = runtime_module()
     sys.modules[module.__name__] = module
+    # the copy's torch.library ops under a namespace of their own: defined as gdngen::..., they would replace the
+    # real module's (torch.ops.gdngen.* would then run the emulated copy)
+    custom_op = torch.library.custom_op
+
+    def own_namespace(name, fn=None, /, **kwargs):
+        name = name.replace("gdngen::", f"{EMULATED_OP_NAMESPACE}::", 1)
+        return custom_op(name, **kwargs) if fn is None else custom_op(name, fn, **kwargs)
+    torch.library.custom_op = own_namespace
     try:
         exec(code, module.__dict__)
     finally:
+        torch.library.custom_op = custom_op
         if real is not None:
             sys.modules["gdngen.runtime.gluon"] = real
         else:
