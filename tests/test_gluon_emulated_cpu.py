@@ -127,6 +127,17 @@ def test_partitions_over_a_ring():
         _ring_kernel[(1,)](_descriptor(src), out, 7, ARRIVALS=2)
 
 
+def test_a_launch_past_the_register_file_is_an_error():
+    """Five warps launch as two warpgroups: 8 x 32 threads at maxnreg 256 fill the 65,536 registers exactly; 264
+    would not launch (setmaxnreg moves registers only after the launch)."""
+    src = torch.randn(2 * ROWS, COLS)
+    out = torch.full_like(src, float("nan"))
+    _ring_kernel[(1,)](_descriptor(src), out, 2, ARRIVALS=1, maxnreg=256)
+    assert torch.equal(out, 2 * src)
+    with pytest.raises(GluonEmulationError, match="would not launch"):
+        _ring_kernel[(1,)](_descriptor(src), out, 2, ARRIVALS=1, maxnreg=264)
+
+
 @jit
 def _cp_async_kernel(src, dst, WAIT: gl.constexpr):
     tile = gl.allocate_shared_memory(gl.float32, [COLS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -197,6 +208,19 @@ def _switched(gluon, pieces, **switches):
         stack.enter_context(override(NAME, "state_pieces", value=pieces))
         stack.enter_context(poisoned_memory())
         yield
+
+
+def test_the_one_chain_pass_launches_within_the_register_file(emulated, monkeypatch):
+    """The one-chain pass's 13 warps launch as 16 (the one-warp loader takes a warpgroup's place): 128 registers a
+    thread is the whole file. Its first commit asked 152 (77,824 registers), which would not have launched."""
+    module, _ = emulated
+    assert module.REVERSE_GLUON_REGISTERS["maxnreg"] * 32 * 16 <= gluon_emulator.REGISTER_FILE
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=49, K=128, V=128, h0=True, B=1, T=128,
+                         H=1, HV=1)
+    monkeypatch.setitem(module.REVERSE_GLUON_REGISTERS, "maxnreg", 152)
+    with _switched(True, 1, gluon_one_chain_bwd=True), pytest.raises(GluonEmulationError, match="would not launch"):
+        _forward_backward(module, spec, inputs, seed=50)
 
 
 def test_the_emulated_copy_leaves_the_real_ops_alone(emulated):

@@ -22,7 +22,8 @@ What is emulated, and how it finds the mistakes a kernel can make:
   byte count): a phase completes when both reach zero. Bytes past the expected count and arrivals past the
   barrier's count raise :class:`GluonEmulationError`; so does a wait no partition can ever satisfy
   (a deadlock, after ``DEADLOCK_SECONDS`` without progress).
-- ``gl.warp_specialize`` runs each partition in its own thread; the waits above are real waits.
+- ``gl.warp_specialize`` runs each partition in its own thread; the waits above are real waits. It also checks
+  that the launch fits the register file (all warps, padded to warpgroups, at the launch's ``maxnreg``).
 
 Not emulated: register and shared-memory budgets and spills (the results scripts compile the Gluon kernels for
 sm_90 offline: ``benchmarks/results/*offline*.py``), asynchrony of wgmma (its result is ready at issue), layouts'
@@ -63,8 +64,9 @@ class _Program:
     """One program's (CTA's) shared state: the condition every barrier waits on, and an abort flag that
     wakes the other partitions when one fails."""
 
-    def __init__(self, pid):
+    def __init__(self, pid, num_warps=4, maxnreg=None):
         self.pid = pid
+        self.num_warps, self.maxnreg = num_warps, maxnreg
         self.cond = threading.Condition()
         self.failed: Optional[BaseException] = None
 
@@ -341,9 +343,25 @@ def _static_assert(condition, message=""):
         raise GluonEmulationError(f"static_assert: {message}")
 
 
+REGISTER_FILE = 65536                # 32-bit registers of one Hopper SM: what one program may hold at launch
+
+
+def _check_launch_registers(program: _Program, worker_num_warps):
+    """A warp-specialised kernel launches all its warps at ``maxnreg`` registers a thread, the warps padded to whole
+    warpgroups (setmaxnreg moves registers between warpgroups only after the launch): more than the register file
+    and the kernel would not launch at all."""
+    warps = program.num_warps + sum(int(w) for w in worker_num_warps)
+    padded = -(-warps // 4) * 4
+    if program.maxnreg is not None and int(program.maxnreg) * 32 * padded > REGISTER_FILE:
+        raise GluonEmulationError(
+            f"would not launch: {warps} warps (padded to {padded}) at maxnreg {program.maxnreg} need "
+            f"{int(program.maxnreg) * 32 * padded} registers, the SM has {REGISTER_FILE}")
+
+
 def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs=None):
     program = _thread().program
     parent = _thread()
+    _check_launch_registers(program, worker_num_warps)
     results, errors = {}, []
 
     def run(i, fn, args):
@@ -634,6 +652,7 @@ class EmulatedKernel:
         return value
 
     def launch(self, grid, args, kwargs):
+        maxnreg = kwargs.get("maxnreg")
         kwargs = {k: v for k, v in kwargs.items() if k in self.signature.parameters}   # maxnreg, num_stages ...
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -642,7 +661,7 @@ class EmulatedKernel:
         previous = getattr(_local, "thread", None)
         try:
             for pid in itertools.product(*(range(g) for g in grid[:3])):
-                thread = _local.thread = _Thread(_Program(pid))
+                thread = _local.thread = _Thread(_Program(pid, int(arguments.get("num_warps", 4)), maxnreg))
                 with torch.no_grad():
                     self.fn(**arguments)
                 if thread.open_group:
