@@ -96,17 +96,20 @@ def _producer(src_desc, ring, ready, free, N):
 
 
 @jit
-def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr):
+def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr):
     o_r = gl.arange(0, ROWS)
     o_c = gl.arange(0, COLS)
     for i in range(N):
         mbarrier.wait(ready.index(i % 2), (i // 2) & 1)
+        if EARLY:
+            mbarrier.arrive(free.index(i % 2), count=ARRIVALS)     # (the slot handed back before it is read)
         gl.store(out + (i * ROWS + o_r[:, None]) * COLS + o_c[None, :], ring.index(i % 2).load() * 2)
-        mbarrier.arrive(free.index(i % 2), count=ARRIVALS)
+        if not EARLY:
+            mbarrier.arrive(free.index(i % 2), count=ARRIVALS)
 
 
 @jit
-def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr):
+def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr = False):
     """A loader partition and a consumer over a two-slot ring (ready / free barriers), as the state passes run."""
     ring = gl.allocate_shared_memory(src_desc.dtype, [2, ROWS, COLS], src_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -114,7 +117,7 @@ def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr):
     for j in gl.static_range(2):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(free.index(j), count=1)
-    gl.warp_specialize([(_consumer, (out, ring, ready, free, N, ARRIVALS)),
+    gl.warp_specialize([(_consumer, (out, ring, ready, free, N, ARRIVALS, EARLY)),
                         (_producer, (src_desc, ring, ready, free, N))], [1], [24])
 
 
@@ -125,6 +128,15 @@ def test_partitions_over_a_ring():
     assert torch.equal(out, 2 * src)
     with pytest.raises(GluonEmulationError, match="over-arrived"):
         _ring_kernel[(1,)](_descriptor(src), out, 7, ARRIVALS=2)
+
+
+def test_a_slot_handed_back_before_it_is_read_is_a_race():
+    """The consumer arrives on a slot's free barrier before reading it: the loader's next load into that slot is
+    not ordered after the read (whatever the threads' timing), and its issue raises."""
+    src = torch.randn(7 * ROWS, COLS)
+    out = torch.full_like(src, float("nan"))
+    with pytest.raises(GluonEmulationError, match="write-after-read race"):
+        _ring_kernel[(1,)](_descriptor(src), out, 7, ARRIVALS=1, EARLY=True)
 
 
 def test_a_launch_past_the_register_file_is_an_error():

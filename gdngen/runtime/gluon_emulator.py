@@ -24,11 +24,15 @@ What is emulated, and how it finds the mistakes a kernel can make:
   (a deadlock, after ``DEADLOCK_SECONDS`` without progress).
 - ``gl.warp_specialize`` runs each partition in its own thread; the waits above are real waits. It also checks
   that the launch fits the register file (all warps, padded to warpgroups, at the launch's ``maxnreg``).
+- Each partition keeps a vector clock: an arrival (an ``expect``, a TMA load's issue) publishes it on the
+  barrier's phase, a completed wait takes it up. Every shared-memory read is recorded with its reader's clock,
+  and a write into that memory from another partition (a TMA or cp.async load's issue, a store) must come after
+  it: a slot handed back before its last read raises a write-after-read race, however the threads run.
 
-Not emulated: register and shared-memory budgets and spills (the results scripts compile the Gluon kernels for
-sm_90 offline: ``benchmarks/results/*offline*.py``), asynchrony of wgmma (its result is ready at issue), layouts'
-legality. Races are found only as
-far as the two landing modes and the threads' interleaving expose them: there is no happens-before tracking.
+Not emulated: each partition's registers and spills, and shared memory against its limit (the results scripts
+compile the Gluon kernels for sm_90 offline: ``benchmarks/results/*offline*.py``), asynchrony of wgmma (its result
+is ready at issue), layouts' legality. A read before its data has landed shows as NaN or stale values (not as an error), and the
+barrier clocks keep only each barrier's last completed phase.
 """
 from __future__ import annotations
 
@@ -69,6 +73,9 @@ class _Program:
         self.num_warps, self.maxnreg = num_warps, maxnreg
         self.cond = threading.Condition()
         self.failed: Optional[BaseException] = None
+        self.threads = 0
+        # shared-memory reads: (allocation, byte range) -> {partition: its clock at its latest read}
+        self.reads: dict = {}
 
 
 class _Thread:
@@ -79,6 +86,20 @@ class _Thread:
         self.open_group: list = []
         self.groups: list = []
         self.stores: list = []
+        self.tid = program.threads
+        program.threads += 1
+        self.clock = {self.tid: 0}          # vector clock: what of each partition happened before this point
+
+    def release(self) -> dict:
+        """This partition's clock as an arrival publishes it; later events are after it."""
+        published = dict(self.clock)
+        self.clock[self.tid] += 1
+        return published
+
+    def acquire(self, published: dict):
+        for tid, c in published.items():
+            if self.clock.get(tid, -1) < c:
+                self.clock[tid] = c
 
     def flush(self):
         for group in self.groups:
@@ -229,6 +250,7 @@ class SharedMemory:
         return SharedMemory(self.data.reshape(-1).view(dtype).view(tuple(shape)), layout)
 
     def load(self, layout=None):
+        _record_read(self)
         return self.data.clone()
 
     def store(self, value):
@@ -237,7 +259,42 @@ class SharedMemory:
             raise GluonEmulationError(f"a {value.dtype} value stored to {self.data.dtype} shared memory")
         if tuple(value.shape) != tuple(self.data.shape):
             raise GluonEmulationError(f"a {tuple(value.shape)} value stored to a {tuple(self.data.shape)} tile")
+        thread = getattr(_local, "thread", None)
+        if thread is not None:
+            with thread.program.cond:
+                _check_overwrite(thread, self, "a store")
         self.data.copy_(value)
+
+
+def _region(data: torch.Tensor):
+    """A shared-memory view's allocation and byte range [lo, hi)."""
+    size = data.element_size()
+    lo = data.storage_offset()
+    hi = lo + sum((n - 1) * stride for n, stride in zip(data.shape, data.stride()) if n > 0) + 1
+    return data.untyped_storage().data_ptr(), lo * size, hi * size
+
+
+def _record_read(smem: "SharedMemory"):
+    """A partition read ``smem``: its clock now, for the overwrite check."""
+    thread = getattr(_local, "thread", None)
+    if thread is None:
+        return
+    key, lo, hi = _region(smem.data)
+    with thread.program.cond:
+        thread.program.reads.setdefault(key, {}).setdefault((lo, hi), {})[thread.tid] = thread.clock[thread.tid]
+
+
+def _check_overwrite(thread, smem: "SharedMemory", what: str):
+    """A write into ``smem`` (a TMA or cp.async load's issue, a store) must come after every other partition's
+    reads of it: after an arrival of the reader's, made once it read, that this partition has waited on."""
+    key, lo, hi = _region(smem.data)
+    for (lo2, hi2), readers in thread.program.reads.get(key, {}).items():
+        if lo2 < hi and lo < hi2:
+            for tid, clock in readers.items():
+                if tid != thread.tid and thread.clock.get(tid, -1) < clock:
+                    raise GluonEmulationError(
+                        f"write-after-read race: {what} from partition {thread.tid} into shared memory that "
+                        f"partition {tid} read with no arrival of its, made after the read, waited on first")
 
 
 class _Barrier:
@@ -250,11 +307,19 @@ class _Barrier:
         self.tx = 0
         self.copies: list = []
         self.completed = 0
+        self.arrived: dict = {}             # the current phase's arrivals' clocks, joined
+        self.last: dict = {}                # the last completed phase's: what a wait on it acquires
 
     def _complete_if_done(self):
         if self.pending == 0 and self.tx == 0 and not self.copies:
             self.completed += 1
             self.pending = self.count
+            self.last, self.arrived = self.arrived, {}
+
+    def _join(self, published: dict):
+        for tid, c in published.items():
+            if self.arrived.get(tid, -1) < c:
+                self.arrived[tid] = c
 
     def _check_init(self):
         if self.count is None:
@@ -441,16 +506,18 @@ def _make_mbarrier():
 
     def init(bar: _Barrier, count):
         bar.count = bar.pending = int(count)
-        bar.tx, bar.copies, bar.completed = 0, [], 0
+        bar.tx, bar.copies, bar.completed, bar.arrived, bar.last = 0, [], 0, {}, {}
 
     def arrive(bar: _Barrier, count=1, pred=True):
         if not bool(pred):
             return
-        program = _thread().program
+        thread = _thread()
+        program = thread.program
         with program.cond:
             bar._check_init()
             if bar.pending - int(count) < 0:
                 raise GluonEmulationError(f"mbarrier over-arrived: {count} arrivals with {bar.pending} left")
+            bar._join(thread.release())
             bar.pending -= int(count)
             bar._complete_if_done()
             program.cond.notify_all()
@@ -483,6 +550,8 @@ def _make_mbarrier():
                     bar._complete_if_done()
                 return (bar.completed & 1) != parity
             _wait_until(program, done, f"an mbarrier (phase parity {parity})")
+            if bar.completed:
+                _thread().acquire(bar.last)
             program.cond.notify_all()
 
     mb.init, mb.arrive, mb.expect, mb.wait = init, arrive, expect, wait
@@ -511,9 +580,12 @@ def _make_tma():
             if box is not None:
                 block[box[1]] = desc.view[box[0]]
             smem.data.copy_(block)
-        program = _thread().program
+        thread = _thread()
+        program = thread.program
         with program.cond:
             bar._check_init()
+            _check_overwrite(thread, smem, "a TMA load")
+            bar._join(thread.release())
             if _LANDING["at_issue"]:
                 copy()
                 bar.tx -= desc.block_type.nbytes
@@ -529,6 +601,7 @@ def _make_tma():
         coords = [int(c) for c in coords]
 
         def store():
+            _record_read(smem)
             box = desc._box(coords)
             if box is not None:
                 desc.view[box[0]] = smem.data[box[1]]
@@ -559,10 +632,13 @@ def _make_async_copy():
         def copy():
             values = pointer.base[offset]
             smem.data.copy_(values if mask is None else torch.where(mask, values, smem.data))
+        thread = _thread()
+        with thread.program.cond:
+            _check_overwrite(thread, smem, "a cp.async load")
         if _LANDING["at_issue"]:
             copy()
         else:
-            _thread().open_group.append(copy)
+            thread.open_group.append(copy)
 
     def commit_group():
         thread = _thread()
@@ -588,7 +664,7 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _operand(x):
-    return x.load() if isinstance(x, SharedMemory) else x
+    return x.load() if isinstance(x, SharedMemory) else x      # (a shared operand's read is recorded)
 
 
 def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
