@@ -121,21 +121,36 @@ def gradient_errors(spec_name: str, options: dict, *, chunk_size: int = 64, dtyp
     module = module if module is not None else importlib.import_module(f"generated.{spec_name}")
     inputs = make_inputs(spec, dtype=dtype, device=device, seed=seed, fused_gate=fused_gate,
                          beta_logits=beta_logits, **shape)
+    o, _, got, cotangents = training_gradients(module, spec, inputs, seed + 1, chunk_size=chunk_size, **options)
+    ro, _, want = reference_gradients(spec, inputs, cotangents, **options)
+    return {"o": rel_rmse(o, ro), **{n: rel_rmse(got[n], want[n]) for n in got}}
+
+
+def training_gradients(module, spec: Spec, inputs: dict, seed: int, **options):
+    """One training call of ``module``'s chunk function over ``inputs``: ``o``, the final state, every floating
+    input's gradient (a dict by input name) for one random ``(do, dht)`` pair drawn on the inputs' device from
+    ``seed``, and that pair."""
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    o, ht = getattr(module, spec.chunk_function)(**{**inputs, **leaves}, output_final_state=True,
-                                                  chunk_size=chunk_size, **options)
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
-    do = torch.randn(o.shape, device=device, generator=gen).to(o.dtype)
-    dht = torch.randn(ht.shape, device=device, generator=gen)
-    got = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
+    o, ht = getattr(module, spec.chunk_function)(**{**inputs, **leaves}, output_final_state=True, **options)
+    gen = torch.Generator(device=o.device).manual_seed(seed)
+    do = torch.randn(o.shape, device=o.device, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device=o.device, generator=gen)
+    grads = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
+    return o.detach(), ht.detach(), dict(zip(leaves, grads)), (do, dht)
 
-    ref_leaves = {n: x.detach().double().requires_grad_(True) for n, x in leaves.items()}
-    ref_args = {**inputs, **ref_leaves}
-    positional = [ref_args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
-    ro, rht = reference.run(spec, *positional, form="chunked", output_final_state=True, **ref_args, **options)
-    want = torch.autograd.grad((ro, rht), list(ref_leaves.values()), (do.double(), dht.double()))
-    return {"o": rel_rmse(o, ro), **{n: rel_rmse(a, b) for n, a, b in zip(leaves, got, want)}}
+
+def reference_gradients(spec: Spec, inputs: dict, cotangents, **options):
+    """The same call through the float64 chunked reference: ``o``, the final state and every floating input's
+    gradient (a dict by input name) for ``cotangents`` = (do, dht)."""
+    leaves = {n: x.detach().double().requires_grad_(True) for n, x in inputs.items()
+              if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    args = {**inputs, **leaves}
+    positional = [args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
+    o, ht = reference.run(spec, *positional, form="chunked", output_final_state=True, **args, **options)
+    do, dht = cotangents
+    grads = torch.autograd.grad((o, ht), list(leaves.values()), (do.double(), dht.double()))
+    return o, ht, dict(zip(leaves, grads))
 
 
 def reference_outputs(spec: Spec, inputs: dict, **options):

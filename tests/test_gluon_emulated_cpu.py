@@ -9,11 +9,11 @@ import inspect
 import pytest
 import torch
 
-from gdngen import reference
 from gdngen.runtime import gluon_emulator, override
 from gdngen.runtime.gluon_emulator import GluonEmulationError, TensorDescriptor, async_copy, deadlock_after, gl, jit
 from gdngen.runtime.gluon_emulator import mbarrier, tma
-from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse
+from gdngen.selfcheck import (call, make_inputs, poisoned_memory, reference_gradients, reference_outputs, rel_rmse,
+                              training_gradients)
 from gdngen.spec import load_spec
 
 NAME = "gated_delta_rule"
@@ -275,24 +275,8 @@ def test_forward_pass(emulated, dtype, shape, h0, pieces):
 
 def _forward_backward(module, spec, inputs, seed):
     """Every floating input's gradient of one training call, and the cotangents (do, dht) it took."""
-    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
-              if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True)
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype)
-    dht = torch.randn(ht.shape, generator=gen)
-    return dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()), (do, dht)))), (do, dht)
-
-
-def _reference_gradients(spec, inputs, cotangents):
-    """The same gradients through the float64 chunked reference."""
-    leaves = {n: x.detach().double().requires_grad_(True) for n, x in inputs.items()
-              if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    args = {**inputs, **leaves}
-    positional = [args.pop(n, None) for n in ("q", "k", "v", "g", "beta")]
-    o, ht = reference.run(spec, *positional, form="chunked", output_final_state=True, **args)
-    do, dht = cotangents
-    return dict(zip(leaves, torch.autograd.grad((o, ht), list(leaves.values()), (do.double(), dht.double()))))
+    _, _, grads, cotangents = training_gradients(module, spec, inputs, seed)
+    return grads, cotangents
 
 
 @pytest.mark.parametrize("shape, pieces, switches", [
@@ -325,7 +309,7 @@ def test_training_step(emulated, shape, pieces, switches):
         assert ran == ({"_state_output_gluon": [n], "_state_bwd_gluon": [n], "_reverse_gluon": one_chain,
                         "_wy_bwd_gluon": wy_stage, "_chunk_bwd_gluon": [0]} if gluon else
                        {name: [] for name in LAUNCHERS})
-    want = _reference_gradients(spec, inputs, cotangents)
+    _, _, want = reference_gradients(spec, inputs, cotangents)
     assert grads[True].keys() == grads[False].keys() == want.keys() and "initial_state" in want
     for name in want:
         assert not grads[True][name].isnan().any(), name

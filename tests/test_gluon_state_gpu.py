@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gdngen.runtime import override
-from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse
+from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse, training_gradients
 from gdngen.spec import load_spec
 
 pytestmark = pytest.mark.gpu
@@ -86,14 +86,8 @@ def test_shapes_it_does_not_take_run_the_triton_pass(counted):
 
 def _forward_backward(module, spec, inputs, seed):
     """o, the final state and every floating input's gradient of one training call (fixed do, dht)."""
-    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
-              if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
-    dht = torch.randn(ht.shape, device="cuda", generator=gen)
-    grads = torch.autograd.grad((o, ht), list(leaves.values()), (do, dht))
-    return o.detach(), ht.detach(), dict(zip(leaves, grads))
+    o, ht, grads, _ = training_gradients(module, spec, inputs, seed)
+    return o, ht, grads
 
 
 @pytest.mark.parametrize("shape, pieces", [
