@@ -1,0 +1,238 @@
+"""Every Gluon kernel a generated module launches, compiled for the H200 (sm_90a) without a GPU: registers,
+stack, spills and wgmma serialisation per warp-specialised partition.
+
+    python benchmarks/offline_sm90.py --triton /tmp/t36x [--module gated_delta_rule] [--shape B,T,H,HV]
+        [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--ptx-dir DIR]
+
+Two processes:
+1. record (TRITON_INTERPRET=1): the module's emulated copy (gdngen.runtime.gluon_emulator) runs one call at a small
+   shape with K and V as the spec has them; each Gluon launch is recorded (its kernel, arguments' kinds and
+   dtypes, descriptors' blocks, constexprs, options) instead of run. What a launch compiles to depends on
+   those, not on the sequence length, so a small shape gives the kernels a large one runs.
+2. compile (the Triton at ``--triton``, the H200's version, no interpreter): each distinct launch is compiled
+   by the real module's kernel for sm_90a through Triton's own specialisation, with a stand-in driver; ptxas -v
+   on its PTX reports spills and "wgmma serialized" (C7512), and the SASS is split at each partition's
+   setmaxnreg.
+
+A row per kernel: registers, stack, shared memory, ptxas's spill bytes and C7512 note; then per partition its
+setmaxnreg, instructions, local stores / loads, wgmma count and how many of them wait for the one before
+(a serialised wgmma is followed at once by ``WARPGROUP.DEPBAR.LE gsb0, 0x0``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- phase 1: record the launches ---------------------------------------------------------------------------
+
+def _describe(value):
+    """What a launch's compilation reads off one argument."""
+    import torch
+    from gdngen.runtime.gluon_emulator import TensorDescriptor
+    if isinstance(value, TensorDescriptor):
+        return ("desc", str(value.dtype), list(value.view.shape), list(value.block_type.shape))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), value.data_ptr() % 16)
+    if isinstance(value, torch.dtype):       # a constexpr dtype (the emulation's gl_dtype hands torch's)
+        return ("gl_dtype", str(value))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("value", value)
+    raise TypeError(f"argument of type {type(value).__name__}: not recordable")
+
+
+def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict) -> list:
+    import contextlib
+    import torch
+    from gdngen.runtime import gluon_emulator, override
+    from gdngen.runtime.gluon_emulator.language import EmulatedKernel
+    from gdngen.selfcheck import call, make_inputs, training_gradients
+    from gdngen.spec import load_spec
+    launches = []
+
+    def launch(self, grid, args, kwargs):
+        bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
+        options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
+        launches.append((self.__name__, {n: _describe(v) for n, v in bound.arguments.items()}, options))
+
+    module = gluon_emulator.load_module(module_name)
+    spec = load_spec(os.path.join(ROOT, "specs", f"{module_name}.yaml"))
+    B, T, H, HV = shape
+    inputs = make_inputs(spec, B=B, T=T, H=H, HV=HV, K=kv[0], V=kv[1], dtype=torch.bfloat16, device="cpu")
+    run = EmulatedKernel.launch
+    EmulatedKernel.launch = launch          # recorded, not run: the outputs are never read
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, value in switches.items():
+                stack.enter_context(override(module_name, name, value=value))
+            if mode == "fwd":
+                with torch.no_grad():
+                    call(module, spec, inputs)
+            else:
+                training_gradients(module, spec, inputs, seed=0)
+    finally:
+        EmulatedKernel.launch = run
+    return launches
+
+
+# ---- phase 2: compile them ----------------------------------------------------------------------------------
+
+class _OfflineDriver:
+    """What JITFunction.run asks of the driver before it compiles, for an H200 that is not here."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+
+def _argument(description):
+    import torch
+    from gdngen.runtime.gluon import gl_dtype, row_descriptor
+    kind = description[0]
+    if kind == "gl_dtype":
+        return gl_dtype(getattr(torch, description[1].split(".")[1]))
+    if kind == "desc":
+        dtype, (rows, columns), block = getattr(torch, description[1].split(".")[1]), description[2], description[3]
+        return row_descriptor(torch.empty(rows * columns, dtype=dtype), columns, block)
+    if kind == "tensor":
+        dtype, misalign = getattr(torch, description[1].split(".")[1]), description[2]
+        base = torch.empty(64, dtype=dtype)
+        return base[misalign // base.element_size():] if misalign else base
+    return description[1]
+
+
+def _partitions(sass: str) -> list:
+    """nvdisasm's listing split where each partition sets its registers (ncu_source_summary.segments): per part
+    its label, instructions, local stores and loads, wgmmas, and wgmmas waited for at once."""
+    from collections import Counter
+    from benchmarks.ncu_source_summary import Instruction, segments
+    code = [Instruction(int(m.group(1), 16), m.group(2).strip(), 0, 0, Counter())
+            for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*;)", sass, re.M)]
+    parts = []
+    for segment in segments(code):
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", ins.text).split(" ")[0] for ins in segment.instructions]
+        parts.append(dict(regs=segment.label, n=len(ops), STL=sum(o.startswith("STL") for o in ops),
+                          LDL=sum(o.startswith("LDL") for o in ops), wgmma=sum(o.startswith("HGMMA") for o in ops),
+                          serial=sum(a.startswith("HGMMA") and b.startswith("WARPGROUP.DEPBAR")
+                                     for a, b in zip(ops, ops[1:]))))
+    return [p for p in parts if p["n"] > 40]
+
+
+def compile_all(module_name: str, launches: list, ptx_dir: str | None) -> list:
+    import importlib
+    import triton
+    from triton.runtime.driver import driver
+    driver.set_active(_OfflineDriver())
+    module = importlib.import_module(f"generated.{module_name}")
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    rows, seen = [], set()
+    for name, arguments, options in launches:
+        key = (name, json.dumps(arguments, sort_keys=True, default=str), json.dumps(options, sort_keys=True))
+        if key in seen:
+            continue
+        seen.add(key)
+        kernel = getattr(module, name)
+        values = {n: _argument(d) for n, d in arguments.items()}
+        compiled = kernel.warmup(**values, **options, grid=(1,))
+        constexprs = {n: d[1] for n, d in arguments.items()
+                      if d[0] == "value" and n in [kernel.arg_names[i] for i in kernel.constexprs]}
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = os.path.join(tmp, "k.ptx")
+            open(ptx, "w").write(compiled.asm["ptx"])
+            ptxas = [os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")]
+            if options.get("maxnreg"):
+                ptxas[2:2] = ["--maxrregcount", str(options["maxnreg"])]
+            report = subprocess.run(ptxas, capture_output=True, text=True).stderr
+            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True).stdout
+        if ptx_dir:
+            os.makedirs(ptx_dir, exist_ok=True)
+            tag = f"{name}_{len(rows)}"
+            open(os.path.join(ptx_dir, tag + ".ptx"), "w").write(compiled.asm["ptx"])
+            open(os.path.join(ptx_dir, tag + ".sass"), "w").write(sass)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        rows.append(dict(
+            kernel=name, constexprs=constexprs, options=options,
+            registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+            stack=int(re.search(r"(\d+) bytes stack frame", report).group(1)),
+            spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
+            shared=compiled.metadata.shared,
+            serialized=re.findall(r"wgmma.mma_async instructions are serialized due to ([^\n]*?) for", report),
+            partitions=_partitions(sass)))
+    return rows
+
+
+def _print(rows: list) -> None:
+    for row in rows:
+        flags = {k: v for k, v in row["constexprs"].items() if isinstance(v, bool) and v}
+        print(f"{row['kernel']} {' '.join(flags)} {row['options']}")
+        print(f"  registers {row['registers']}, stack {row['stack']} B, spills {row['spill_stores']} / "
+              f"{row['spill_loads']} B, shared {row['shared']} B"
+              + (f", WGMMA SERIALIZED ({'; '.join(row['serialized'])})" if row["serialized"] else ""))
+        for part in row["partitions"]:
+            print(f"    {part['regs']:>15}: {part['n']:5d} instr, STL {part['STL']:3d}, LDL {part['LDL']:3d}, "
+                  f"wgmma {part['wgmma']:3d} ({part['serial']} waited at once)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", default="gated_delta_rule")
+    parser.add_argument("--shape", default="1,256,2,4", help="B,T,H,HV (small: the kernels do not depend on T)")
+    parser.add_argument("--kv", default="128,128", help="K,V")
+    parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
+    parser.add_argument("--switches", default="", help="override switches, name=1,name=0")
+    parser.add_argument("--triton", help="a folder holding the H200's Triton (put first on the path to compile)")
+    parser.add_argument("--ptx-dir", help="keep each kernel's PTX and SASS here")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--_record", help=argparse.SUPPRESS)
+    parser.add_argument("--_compile", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._record:
+        switches = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.switches.split(",") if kv}
+        launches = record(args.module, tuple(int(x) for x in args.shape.split(",")),
+                          tuple(int(x) for x in args.kv.split(",")), args.mode, switches)
+        pickle.dump(launches, open(args._record, "wb"))
+        return
+    if args._compile:
+        rows = compile_all(args.module, pickle.load(open(args._compile, "rb")), args.ptx_dir)
+        json.dump(rows, sys.stdout)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = os.path.join(tmp, "launches.pkl")
+        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", args.mode, "--switches", args.switches]
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+        subprocess.run([sys.executable, __file__, *common, "--_record", launches], env=env, check=True)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.triton, ROOT) if p)
+        extra = ["--ptx-dir", args.ptx_dir] if args.ptx_dir else []
+        out = subprocess.run([sys.executable, __file__, *common, "--_compile", launches, *extra], env=env,
+                             check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    _print(rows)
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
