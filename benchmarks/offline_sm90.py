@@ -201,7 +201,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", default="1,256,2,4", help="B,T,H,HV (small: the kernels do not depend on T)")
     parser.add_argument("--kv", default="128,128", help="K,V")
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
-    parser.add_argument("--switches", default="", help="override switches, name=1,name=0")
+    parser.add_argument("--switches", default="", help="override switches: name=1,name=0 (state_pieces=4: pieces and their walks)")
     parser.add_argument("--triton", help="a folder holding the H200's Triton (put first on the path to compile)")
     parser.add_argument("--ptx-dir", help="keep each kernel's PTX and SASS here")
     parser.add_argument("--json", help="write the rows here")
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
     parser.add_argument("--_compile", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._record:
-        switches = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.switches.split(",") if kv}
+        switches = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.switches.split(",") if kv}
         launches = record(args.module, tuple(int(x) for x in args.shape.split(",")),
                           tuple(int(x) for x in args.kv.split(",")), args.mode, switches)
         pickle.dump(launches, open(args._record, "wb"))
