@@ -48,6 +48,17 @@ def test_a_training_step_records_each_gluon_launch_with_its_constexprs(switches,
         assert arguments["WY"] == ("value", True)
         kind, dtype, shape, block = arguments["h_desc"]
         assert (kind, dtype, block) == ("desc", "torch.bfloat16", [128, 128])
-def test_the_emulator_runs_again(): 
+def test_triton_kernels_are_recorded_and_still_run():
+    """With triton_kernels the @triton.jit launches are recorded too (with their host-built descriptors and
+    launch options) and still run: the Gluon stages after them read what they wrote. Afterwards both launch
+    paths are the emulator's and the interpreter's again."""
+    from triton.runtime.interpreter import InterpretedFunction
     from gdngen.runtime.gluon_emulator.language import EmulatedKernel
-    assert EmulatedKernel.launch.__name__ == "launch" and EmulatedKernel.launch.__qualname__.startswith("EmulatedKernel")
+    interpret, emulate = InterpretedFunction.run, EmulatedKernel.launch
+    launches = record("gated_delta_rule", (1, 128, 2, 4), (128, 128), "fwd", {}, triton_kernels=True)
+    names = [name for name, _, _ in launches]
+    assert names[:2] == ["_gates_fwd_kernel", "_wy_fwd_kernel_bt64"] and names[2] == "_state_output_gluon_kernel"
+    arguments, options = launches[1][1], launches[1][2]
+    assert options["num_warps"] >= 1
+    assert any(d[0] == "tdesc" for d in arguments.values()) == (arguments.get("TMA") == ("value", True))
+    assert (InterpretedFunction.run, EmulatedKernel.launch) == (interpret, emulate)
