@@ -67,10 +67,14 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict,
     from gdngen.spec import load_spec
     launches = []
 
+    def home(fn):
+        """The module whose kernel this is: the emulated copy's are the real module's."""
+        return fn.__module__.replace("__gluon_emulated", "")
+
     def launch(self, grid, args, kwargs):
         bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
         options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
-        launches.append((self.__name__, {n: _describe(v) for n, v in bound.arguments.items()}, options))
+        launches.append((self.__name__, {n: _describe(v) for n, v in bound.arguments.items()}, options, home(self.fn)))
 
     module = gluon_emulator.load_module(module_name)
     spec = load_spec(os.path.join(ROOT, "specs", f"{module_name}.yaml"))
@@ -83,7 +87,7 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict,
         names = [n for n in self.arg_names if n not in kwargs]
         arguments = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in self.arg_names}}
         options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
-        launches.append((self.__name__, {n: _describe(v) for n, v in arguments.items()}, options))
+        launches.append((self.__name__, {n: _describe(v) for n, v in arguments.items()}, options, home(self.fn)))
         return interpret(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     run = EmulatedKernel.launch
@@ -168,20 +172,19 @@ def _partitions(sass: str) -> list:
     return [p for p in parts if p["n"] > 40]
 
 
-def compile_all(module_name: str, launches: list, ptx_dir: str | None) -> list:
+def compile_all(launches: list, ptx_dir: str | None) -> list:
     import importlib
     import triton
     from triton.runtime.driver import driver
     driver.set_active(_OfflineDriver())
-    module = importlib.import_module(f"generated.{module_name}")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows, seen = [], set()
-    for name, arguments, options in launches:
+    for name, arguments, options, home in launches:
         key = (name, json.dumps(arguments, sort_keys=True, default=str), json.dumps(options, sort_keys=True))
         if key in seen:
             continue
         seen.add(key)
-        kernel = getattr(module, name)
+        kernel = getattr(importlib.import_module(home), name)       # the module's own, or gdngen.runtime's
         values = {n: _argument(d) for n, d in arguments.items()}
         compiled = kernel.warmup(**values, **options, grid=(1,))
         constexprs = {n: d[1] for n, d in arguments.items()
@@ -245,7 +248,7 @@ def main(argv=None) -> None:
         pickle.dump(launches, open(args._record, "wb"))
         return
     if args._compile:
-        rows = compile_all(args.module, pickle.load(open(args._compile, "rb")), args.ptx_dir)
+        rows = compile_all(pickle.load(open(args._compile, "rb")), args.ptx_dir)
         json.dump(rows, sys.stdout)
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,7 +261,7 @@ def main(argv=None) -> None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.triton, ROOT) if p)
         extra = ["--ptx-dir", args.ptx_dir] if args.ptx_dir else []
         out = subprocess.run([sys.executable, __file__, *common, "--_compile", launches, *extra], env=env,
-                             check=True, capture_output=True, text=True).stdout
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
     rows = json.loads(out)
     _print(rows)
     if args.json:

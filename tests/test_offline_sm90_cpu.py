@@ -37,11 +37,12 @@ def test_partitions_are_split_at_setmaxnreg_and_count_serialised_wgmmas():
                                                 "_reverse_gluon_kernel")])
 def test_a_training_step_records_each_gluon_launch_with_its_constexprs(switches, reverse):
     launches = record("gated_delta_rule", (1, 128, 2, 4), (128, 128), "fwd+bwd", switches)
-    names = [name for name, _, _ in launches]
+    names = [launch[0] for launch in launches]
     assert names[0] == "_state_output_gluon_kernel" and reverse in names
     assert "_chunk_bwd_gluon_kernel" in names
     assert ("_wy_bwd_gluon_kernel" in names) == (not switches)        # folded into the pass with gluon_reverse_wy
-    arguments, options = next((a, o) for n, a, o in launches if n == reverse)
+    arguments, options, home = next((a, o, m) for n, a, o, m in launches if n == reverse)
+    assert home == "generated.gated_delta_rule"
     assert options["maxnreg"] in (128, 168)
     assert arguments["K"] == ("value", 128) and arguments["BT"] == ("value", 64)
     if switches:
@@ -56,7 +57,7 @@ def test_triton_kernels_are_recorded_and_still_run():
     from gdngen.runtime.gluon_emulator.language import EmulatedKernel
     interpret, emulate = InterpretedFunction.run, EmulatedKernel.launch
     launches = record("gated_delta_rule", (1, 128, 2, 4), (128, 128), "fwd", {}, triton_kernels=True)
-    names = [name for name, _, _ in launches]
+    names = [launch[0] for launch in launches]
     assert names[:2] == ["_gates_fwd_kernel", "_wy_fwd_kernel_bt64"] and names[2] == "_state_output_gluon_kernel"
     arguments, options = launches[1][1], launches[1][2]
     assert options["num_warps"] >= 1
