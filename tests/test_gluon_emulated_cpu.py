@@ -96,11 +96,12 @@ def _producer(src_desc, ring, ready, free, N):
 
 
 @jit
-def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr):
+def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr, NO_WAIT: gl.constexpr):
     o_r = gl.arange(0, ROWS)
     o_c = gl.arange(0, COLS)
     for i in range(N):
-        mbarrier.wait(ready.index(i % 2), (i // 2) & 1)
+        if not NO_WAIT:
+            mbarrier.wait(ready.index(i % 2), (i // 2) & 1)
         if EARLY:
             mbarrier.arrive(free.index(i % 2), count=ARRIVALS)     # (the slot handed back before it is read)
         gl.store(out + (i * ROWS + o_r[:, None]) * COLS + o_c[None, :], ring.index(i % 2).load() * 2)
@@ -109,7 +110,8 @@ def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr, EARLY: gl.const
 
 
 @jit
-def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr = False):
+def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr = False,
+                 NO_WAIT: gl.constexpr = False):
     """A loader partition and a consumer over a two-slot ring (ready / free barriers), as the state passes run."""
     ring = gl.allocate_shared_memory(src_desc.dtype, [2, ROWS, COLS], src_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -117,7 +119,7 @@ def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr =
     for j in gl.static_range(2):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(free.index(j), count=1)
-    gl.warp_specialize([(_consumer, (out, ring, ready, free, N, ARRIVALS, EARLY)),
+    gl.warp_specialize([(_consumer, (out, ring, ready, free, N, ARRIVALS, EARLY, NO_WAIT)),
                         (_producer, (src_desc, ring, ready, free, N))], [1], [24])
 
 
@@ -131,12 +133,23 @@ def test_partitions_over_a_ring():
 
 
 def test_a_slot_handed_back_before_it_is_read_is_a_race():
-    """The consumer arrives on a slot's free barrier before reading it: the loader's next load into that slot is
-    not ordered after the read (whatever the threads' timing), and its issue raises."""
+    """The consumer arrives on a slot's free barrier before reading it: the loader's next load into that slot and
+    the read are not ordered either way, and whichever the threads' timing puts second raises (the load's issue,
+    or the read). Stop 55's check saw only the first order: one CI run in ~20 passed the kernel."""
     src = torch.randn(7 * ROWS, COLS)
     out = torch.full_like(src, float("nan"))
-    with pytest.raises(GluonEmulationError, match="write-after-read race"):
+    with pytest.raises(GluonEmulationError, match="(write-after-read|read-after-write) race"):
         _ring_kernel[(1,)](_descriptor(src), out, 7, ARRIVALS=1, EARLY=True)
+
+
+def test_a_tile_read_without_waiting_for_its_load_is_a_race():
+    """The consumer reads each slot without waiting on its ready barrier: whether the load was issued before the
+    read (read-after-write) or after it (write-after-read), the two are not ordered, and it raises; stop 55's
+    emulator showed only NaN in the results."""
+    src = torch.randn(4 * ROWS, COLS)
+    out = torch.full_like(src, float("nan"))
+    with pytest.raises(GluonEmulationError, match="(write-after-read|read-after-write) race"):
+        _ring_kernel[(1,)](_descriptor(src), out, 4, ARRIVALS=1, NO_WAIT=True)
 
 
 def test_a_launch_past_the_register_file_is_an_error():

@@ -22,6 +22,17 @@ def test_tiles_ask_for_tma_on_16_bit_inputs_only():
     assert "TMA" not in default_tiles("wy", dtype=torch.bfloat16, per_channel=True, **sizes)
 
 
+def test_solves_on_float32_operands_take_two_warps():
+    """One warp for a float16 solve (GDN's T), two where the solve's products take float32 operands (tf32 or
+    ieee: one warp spilled 360-672 B offline, stop 56) and for float32 inputs; a caller that does not say keeps
+    the 16-bit default."""
+    sizes = dict(K=128, V=128, BT=64, N=4, HV=32)
+    warps = {solve: default_tiles("wy", dtype=torch.bfloat16, solve=solve, **sizes)["num_warps"]
+             for solve in (None, "fp16", "tf32", "ieee")}
+    assert warps == {None: 1, "fp16": 1, "tf32": 2, "ieee": 2}
+    assert default_tiles("wy", dtype=torch.float32, solve="ieee", **sizes)["num_warps"] == 2
+
+
 def _run(module, spec, inputs, seen):
     leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
               if isinstance(x, torch.Tensor) and x.is_floating_point()}
@@ -62,3 +73,17 @@ def test_tma_is_dropped_where_bk_does_not_divide_k(wy_launches):
     assert seen and all(not kw.get("TMA") and not _descriptors(args) for args, kw in seen)
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
+
+
+@pytest.mark.parametrize("name, dtype, warps", [("gated_delta_rule", torch.float16, {1}),
+                                                ("delta_rule", torch.bfloat16, {2})])
+def test_each_launch_asks_the_warps_of_its_solve(name, dtype, warps, wy_launches):
+    """The forward passes its solve precision to the tiles: GDN's float16 T keeps one warp; delta_rule's bf16
+    W and U (a tf32 solve) and the backward's float32 T (ieee) take two."""
+    spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
+    module = importlib.import_module(f"generated.{name}")
+    seen = wy_launches(module)
+    inputs = make_inputs(spec, B=1, T=128, H=1, HV=2, K=32, V=32, dtype=dtype, h0=True, seed=5)
+    _run(module, spec, inputs, seen)
+    assert seen and {kw["num_warps"] for _, kw in seen} == warps
+    assert all((kw["num_warps"] == 1) == (kw["SOLVE_PRECISION"] == "fp16") for _, kw in seen)

@@ -25,17 +25,18 @@ What is emulated, and how it finds the mistakes a kernel can make:
 - ``gl.warp_specialize`` runs each partition in its own thread; the waits above are real waits. It also checks
   that the launch fits the register file (all warps, padded to warpgroups, at the launch's ``maxnreg``).
 - Each partition keeps a vector clock: an arrival (an ``expect``, a TMA load's issue) publishes it on the
-  barrier's phase, a completed wait takes it up. Every shared-memory read is recorded with its reader's clock,
-  and a write into that memory from another partition (a TMA or cp.async load's issue, a store) must come after
-  it: a slot handed back before its last read raises a write-after-read race, however the threads run.
+  barrier's phase, a completed wait takes it up. Every shared-memory read and write (a TMA or cp.async load's
+  issue, a store) is recorded with its partition's clock. A write into memory another partition read must come
+  after that read, and a read of memory another partition wrote must come after that write: a slot handed back
+  before its last read, or a tile read before the wait that orders it after its load, raises a race, whichever
+  of the two the threads' timing puts first.
 
 The package: ``program`` (partitions, their clocks, the race check), ``memory`` (pointers, descriptors, shared
 memory, mbarriers), ``language`` (the builtins and launches), and here the generated module's emulated view.
 
-Not emulated: each partition's registers and spills, and shared memory against its limit (the results scripts
-compile the Gluon kernels for sm_90 offline: ``benchmarks/results/*offline*.py``), asynchrony of wgmma (its result
-is ready at issue), layouts' legality. A read before its data has landed shows as NaN or stale values (not as an error), and the
-barrier clocks keep only each barrier's last completed phase.
+Not emulated: each partition's registers and spills, and shared memory against its limit
+(``benchmarks/offline_sm90.py`` compiles every launch for sm_90a without a GPU), asynchrony of wgmma (its result is
+ready at issue), layouts' legality. The barrier clocks keep only each barrier's last completed phase.
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ class _Program:
         self.cond = threading.Condition()
         self.failed: Optional[BaseException] = None
         self.threads = 0
-        # shared-memory reads: (allocation, byte range) -> {partition: its clock at its latest read}
+        # shared-memory reads and writes: (allocation, byte range) -> {partition: its clock at its latest one}
         self.reads: dict = {}
+        self.writes: dict = {}
 
 
 class _Thread:
@@ -85,28 +86,44 @@ def _region(data: torch.Tensor):
     return data.untyped_storage().data_ptr(), lo * size, hi * size
 
 
+def _overlapping(accesses: dict, smem: "SharedMemory"):
+    """(partition, its clock) of every recorded access to memory that ``smem`` overlaps."""
+    key, lo, hi = _region(smem.data)
+    for (lo2, hi2), by_partition in accesses.get(key, {}).items():
+        if lo2 < hi and lo < hi2:
+            yield from by_partition.items()
+
+
 def _record_read(smem: "SharedMemory"):
-    """A partition read ``smem``: its clock now, for the overwrite check."""
+    """A partition reads ``smem``: it must come after every other partition's writes into it (after their
+    arrival, made once they wrote, that it waited on), and its clock now is kept for the overwrite check."""
     thread = getattr(_local, "thread", None)
     if thread is None:
         return
     key, lo, hi = _region(smem.data)
     with thread.program.cond:
+        for tid, clock in _overlapping(thread.program.writes, smem):
+            if tid != thread.tid and thread.clock.get(tid, -1) < clock:
+                raise GluonEmulationError(
+                    f"read-after-write race: partition {thread.tid} read shared memory that partition {tid} wrote "
+                    f"with no arrival of its, made after the write, waited on first")
         thread.program.reads.setdefault(key, {}).setdefault((lo, hi), {})[thread.tid] = thread.clock[thread.tid]
 
 
 def _check_overwrite(thread, smem: "SharedMemory", what: str):
     """A write into ``smem`` (a TMA or cp.async load's issue, a store) must come after every other partition's
-    reads of it: after an arrival of the reader's, made once it read, that this partition has waited on."""
-    key, lo, hi = _region(smem.data)
-    for (lo2, hi2), readers in thread.program.reads.get(key, {}).items():
-        if lo2 < hi and lo < hi2:
-            for tid, clock in readers.items():
-                if tid != thread.tid and thread.clock.get(tid, -1) < clock:
-                    raise GluonEmulationError(
-                        f"write-after-read race: {what} from partition {thread.tid} into shared memory that "
-                        f"partition {tid} read with no arrival of its, made after the read, waited on first")
+    reads of it: after an arrival of the reader's, made once it read, that this partition has waited on. The
+    write is kept for the read check.
 
+    With both checks a slot handed back early is caught whichever comes first in time: the reader's read (the
+    write is not ordered before it) or the writer's write (the read is not ordered before it)."""
+    for tid, clock in _overlapping(thread.program.reads, smem):
+        if tid != thread.tid and thread.clock.get(tid, -1) < clock:
+            raise GluonEmulationError(
+                f"write-after-read race: {what} from partition {thread.tid} into shared memory that "
+                f"partition {tid} read with no arrival of its, made after the read, waited on first")
+    key, lo, hi = _region(smem.data)
+    thread.program.writes.setdefault(key, {}).setdefault((lo, hi), {})[thread.tid] = thread.clock[thread.tid]
 
 
 def _check_launch_registers(program: _Program, worker_num_warps):
