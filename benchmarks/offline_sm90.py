@@ -2,20 +2,20 @@
 stack, spills and wgmma serialisation per warp-specialised partition.
 
     python benchmarks/offline_sm90.py --triton /tmp/t36x [--module gated_delta_rule] [--shape B,T,H,HV]
-        [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--triton-kernels] [--ptx-dir DIR]
+        [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--ptx-dir DIR]
 
 Two processes:
 1. record (TRITON_INTERPRET=1): the module's emulated copy (gdngen.runtime.gluon_emulator) runs one call at a small
    shape with K and V as the spec has them; each Gluon launch is recorded (its kernel, arguments' kinds and
    dtypes, descriptors' blocks, constexprs, options) instead of run. What a launch compiles to depends on
    those, not on the sequence length, so a small shape gives the kernels a large one runs (but for the tiles and
-   state pieces a shape picks: ``--switches state_pieces=4``). With ``--triton-kernels`` the @triton.jit launches
-   are recorded too (and run under the interpreter, as the Gluon stages read their outputs); their tiles are the
-   defaults (the H200 sweeps'), not a tuned cache's.
+   state pieces a shape picks: ``--switches state_pieces=4``). The @triton.jit kernels run under the interpreter
+   (the Gluon stages read their outputs); ``gdngen check --compile-sm90`` compiles those (gdngen.compilecheck,
+   whose ptxas report this uses).
 2. compile (the Triton at ``--triton``, the H200's version, no interpreter): each distinct launch is compiled
-   by the real module's kernel for sm_90a through Triton's own specialisation, with a stand-in driver; ptxas -v
-   on its PTX reports spills and "wgmma serialized" (C7512), and the SASS is split at each partition's
-   setmaxnreg.
+   by the real module's kernel for sm_90a through Triton's own specialisation, with a stand-in driver;
+   ``compilecheck.ptxas_report`` (ptxas -v) reports spills and "wgmma serialized" (C7512), and the SASS is split at
+   each partition's setmaxnreg.
 
 A row per kernel: registers, stack, shared memory, ptxas's spill bytes and C7512 note; then per partition its
 setmaxnreg, instructions, local stores / loads, wgmma count and how many of them wait for the one before
@@ -47,18 +47,12 @@ def _describe(value):
         return ("tensor", str(value.dtype), value.data_ptr() % 16)
     if isinstance(value, torch.dtype):       # a constexpr dtype (the emulation's gl_dtype hands torch's)
         return ("gl_dtype", str(value))
-    import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor as HostDescriptor
-    if isinstance(value, HostDescriptor):     # a @triton.jit kernel's host-built descriptor
-        return ("tdesc", str(value.base.dtype), list(value.shape), list(value.strides), list(value.block_shape))
-    if isinstance(value, tl.dtype):
-        return ("tl_dtype", value.name)
     if value is None or isinstance(value, (bool, int, float, str)):
         return ("value", value)
     raise TypeError(f"argument of type {type(value).__name__}: not recordable")
 
 
-def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict, triton_kernels=False) -> list:
+def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict) -> list:
     import contextlib
     import torch
     from gdngen.runtime import gluon_emulator, override
@@ -80,19 +74,8 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict,
     spec = load_spec(os.path.join(ROOT, "specs", f"{module_name}.yaml"))
     B, T, H, HV = shape
     inputs = make_inputs(spec, B=B, T=T, H=H, HV=HV, K=kv[0], V=kv[1], dtype=torch.bfloat16, device="cpu")
-    from triton.runtime.interpreter import InterpretedFunction
-    interpret = InterpretedFunction.run
-
-    def triton_launch(self, *args, grid, warmup, **kwargs):
-        names = [n for n in self.arg_names if n not in kwargs]
-        arguments = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in self.arg_names}}
-        options = {k: v for k, v in kwargs.items() if k not in self.arg_names}
-        launches.append((self.__name__, {n: _describe(v) for n, v in arguments.items()}, options, home(self.fn)))
-        return interpret(self, *args, grid=grid, warmup=warmup, **kwargs)
-
     run = EmulatedKernel.launch
     EmulatedKernel.launch = launch          # recorded, not run: the outputs are never read
-    InterpretedFunction.run = triton_launch if triton_kernels else interpret   # recorded and run
     try:
         with contextlib.ExitStack() as stack:
             for name, value in switches.items():
@@ -104,7 +87,6 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict,
                 training_gradients(module, spec, inputs, seed=0)
     finally:
         EmulatedKernel.launch = run
-        InterpretedFunction.run = interpret
     return launches
 
 
@@ -137,14 +119,6 @@ def _argument(description):
     kind = description[0]
     if kind == "gl_dtype":
         return gl_dtype(getattr(torch, description[1].split(".")[1]))
-    if kind == "tdesc":
-        from triton.tools.tensor_descriptor import TensorDescriptor as HostDescriptor
-        dtype, shape, strides, block = getattr(torch, description[1].split(".")[1]), *description[2:]
-        base = torch.empty(max(s * (n - 1) for s, n in zip(strides, shape)) + 1, dtype=dtype)
-        return HostDescriptor(base, shape, strides, block)
-    if kind == "tl_dtype":
-        import triton.language as tl
-        return tl.dtype(description[1])
     if kind == "desc":
         dtype, (rows, columns), block = getattr(torch, description[1].split(".")[1]), description[2], description[3]
         return row_descriptor(torch.empty(rows * columns, dtype=dtype), columns, block)
@@ -176,6 +150,7 @@ def compile_all(launches: list, ptx_dir: str | None) -> list:
     import importlib
     import triton
     from triton.runtime.driver import driver
+    from gdngen.compilecheck import ptxas_report
     driver.set_active(_OfflineDriver())
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows, seen = [], set()
@@ -190,28 +165,18 @@ def compile_all(launches: list, ptx_dir: str | None) -> list:
         constexprs = {n: d[1] for n, d in arguments.items()
                       if d[0] == "value" and n in [kernel.arg_names[i] for i in kernel.constexprs]}
         with tempfile.TemporaryDirectory() as tmp:
-            ptx = os.path.join(tmp, "k.ptx")
-            open(ptx, "w").write(compiled.asm["ptx"])
-            ptxas = [os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")]
-            if options.get("maxnreg"):
-                ptxas[2:2] = ["--maxrregcount", str(options["maxnreg"])]
-            report = subprocess.run(ptxas, capture_output=True, text=True).stderr
-            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True).stdout
+            cubin = os.path.join(tmp, "k.cubin")
+            report = ptxas_report(compiled.asm["ptx"], maxnreg=options.get("maxnreg"), cubin=cubin)
+            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
         if ptx_dir:
             os.makedirs(ptx_dir, exist_ok=True)
             tag = f"{name}_{len(rows)}"
             open(os.path.join(ptx_dir, tag + ".ptx"), "w").write(compiled.asm["ptx"])
             open(os.path.join(ptx_dir, tag + ".sass"), "w").write(sass)
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-        rows.append(dict(
-            kernel=name, constexprs=constexprs, options=options,
-            registers=int(re.search(r"Used (\d+) registers", report).group(1)),
-            stack=int(re.search(r"(\d+) bytes stack frame", report).group(1)),
-            spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
-            shared=compiled.metadata.shared,
-            serialized=re.findall(r"wgmma.mma_async instructions are serialized due to ([^\n]*?) for", report),
-            partitions=_partitions(sass)))
+        rows.append(dict(kernel=name, constexprs=constexprs, options=options, registers=report["regs"],
+                         stack=report["stack"], spill_stores=report["spill_stores"],
+                         spill_loads=report["spill_loads"], shared=compiled.metadata.shared,
+                         serialized=report["serialized"], partitions=_partitions(sass)))
     return rows
 
 
@@ -235,7 +200,6 @@ def main(argv=None) -> None:
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
     parser.add_argument("--switches", default="", help="override switches: name=1,name=0 (state_pieces=4: pieces and their walks)")
     parser.add_argument("--triton", help="a folder holding the H200's Triton (put first on the path to compile)")
-    parser.add_argument("--triton-kernels", action="store_true", help="the @triton.jit kernels too")
     parser.add_argument("--ptx-dir", help="keep each kernel's PTX and SASS here")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--_record", help=argparse.SUPPRESS)
@@ -244,7 +208,7 @@ def main(argv=None) -> None:
     if args._record:
         switches = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.switches.split(",") if kv}
         launches = record(args.module, tuple(int(x) for x in args.shape.split(",")),
-                          tuple(int(x) for x in args.kv.split(",")), args.mode, switches, args.triton_kernels)
+                          tuple(int(x) for x in args.kv.split(",")), args.mode, switches)
         pickle.dump(launches, open(args._record, "wb"))
         return
     if args._compile:
@@ -253,8 +217,7 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         launches = os.path.join(tmp, "launches.pkl")
-        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", args.mode, "--switches", args.switches,
-                  *(["--triton-kernels"] if args.triton_kernels else [])]
+        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", args.mode, "--switches", args.switches]
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
         subprocess.run([sys.executable, __file__, *common, "--_record", launches], env=env, check=True)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -260,7 +260,7 @@ def compile_launch(launch: Launch) -> dict:
     import triton
     from triton.compiler import ASTSource
     signature, constexprs, attrs = _signature(launch)
-    result = {"shared": None, "regs": None, "spill": None, "error": None}
+    result = {"shared": None, "regs": None, "spill": None, "serialized": [], "error": None}
     try:
         compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=_target(),
                                   options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
@@ -268,24 +268,40 @@ def compile_launch(launch: Launch) -> dict:
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
         return result
     result["shared"] = int(compiled.metadata.shared)
+    report = ptxas_report(compiled.asm["ptx"])
+    result["regs"] = report["regs"]
+    result["spill"] = report["spill_stores"] + report["spill_loads"]
+    result["serialized"] = report["serialized"]
+    return result
+
+
+def ptxas_report(ptx: str, *, maxnreg: Optional[int] = None, cubin: Optional[str] = None) -> dict:
+    """``ptxas -v -arch=sm_90a`` on ``ptx``: registers (None if it failed), spill bytes (stores, loads), stack
+    bytes, and why ptxas serialised the wgmmas ("C7512": every wgmma then waits for the one before it; empty
+    when it did not). ``maxnreg``: the launch's register cap; ``cubin``: where to keep the binary."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as handle:
-        handle.write(compiled.asm["ptx"])
+        handle.write(ptx)
     try:
         info = ""
         # Triton 3.9's PTX may need the newer ptxas it bundles next to the CUDA 12 one
         for ptxas in (ptxas_path(), ptxas_path() + "-blackwell"):
             if os.path.exists(ptxas):
-                info = subprocess.run([ptxas, "-v", "-arch=sm_90a", handle.name, "-o", os.devnull],
-                                      capture_output=True, text=True).stderr
+                command = [ptxas, "-v", "-arch=sm_90a", handle.name, "-o", cubin or os.devnull]
+                if maxnreg:
+                    command[1:1] = ["--maxrregcount", str(maxnreg)]
+                info = subprocess.run(command, capture_output=True, text=True).stderr
                 if "Used" in info:
                     break
     finally:
         os.unlink(handle.name)
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", info)]
-    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)]
-    result["regs"] = max(regs) if regs else None
-    result["spill"] = max(spills) if spills else 0
-    return result
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    stacks = [int(x) for x in re.findall(r"(\d+) bytes stack frame", info)]
+    return dict(regs=max(regs) if regs else None,
+                spill_stores=max((int(a) for a, _ in spills), default=0),
+                spill_loads=max((int(b) for _, b in spills), default=0),
+                stack=max(stacks, default=0),
+                serialized=re.findall(r"wgmma.mma_async instructions are serialized due to (.*?) for", info))
 
 
 def _launch_config(launch: Launch) -> str:
@@ -298,7 +314,7 @@ def check(spec_names: Optional[list[str]] = None, shape_list: Optional[list[Shap
     """Rows (spec, shape, phase, kernel, config, shared, regs, spill, error, status) for every launch.
 
     ``status`` is ``fail`` (compile error or shared memory over :data:`SHARED_LIMIT`), ``warn``
-    (register spills) or ``ok``. Identical launches compile once. ``kernels`` keeps only the
+    (register spills, or wgmmas ptxas serialised: ``serialized``) or ``ok``. Identical launches compile once. ``kernels`` keeps only the
     launches whose kernel name contains one of its strings (e.g. ``["_state_"]``).
     """
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -335,7 +351,7 @@ def check(spec_names: Optional[list[str]] = None, shape_list: Optional[list[Shap
                 status = "ok"
                 if result["error"] or (result["shared"] or 0) > SHARED_LIMIT:
                     status = "fail"
-                elif result["spill"]:
+                elif result["spill"] or result["serialized"]:
                     status = "warn"
                 rows.append(dict(spec=spec.name, **dataclasses.asdict(shape), phase=phase,
                                  kernel=launch.fn.__name__, config=_launch_config(launch), **result, status=status))
@@ -361,6 +377,8 @@ def format_table(rows: list[dict]) -> str:
         shape = f"K={r['K']} V={r['V']} BT={r['BT']} {r['dtype']} N={r['N']} HV={r['HV']}"
         shared = "" if r["shared"] is None else f"{r['shared'] / 1024:.1f}"
         status = r["status"] + (f" ({r['error']})" if r["error"] else "")
+        if r.get("serialized"):
+            status += " (wgmma serialized: " + "; ".join(r["serialized"]) + ")"
         lines.append(f"| {r['spec']} | {shape} | {r['phase']} | {r['kernel']} | {r['config']} | {shared} | "
                      f"{r['regs'] if r['regs'] is not None else ''} | {r['spill'] if r['spill'] is not None else ''} "
                      f"| {status} |")
