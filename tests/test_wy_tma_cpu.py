@@ -22,15 +22,15 @@ def test_tiles_ask_for_tma_on_16_bit_inputs_only():
     assert "TMA" not in default_tiles("wy", dtype=torch.bfloat16, per_channel=True, **sizes)
 
 
-def test_solves_on_float32_operands_take_two_warps():
-    """One warp for a float16 solve (GDN's T), two where the solve's products take float32 operands (tf32 or
-    ieee: one warp spilled 360-672 B offline, stop 56) and for float32 inputs; a caller that does not say keeps
-    the 16-bit default."""
+def test_launches_that_write_w_and_u_or_solve_in_float32_take_two_warps():
+    """One warp for T alone in fp16 or tf32 (GDN's measured default); two where the stage writes W and U or solves
+    in float32 (one warp spilled 516-1688 B offline, stop 56) and for float32 inputs."""
     sizes = dict(K=128, V=128, BT=64, N=4, HV=32)
-    warps = {solve: default_tiles("wy", dtype=torch.bfloat16, solve=solve, **sizes)["num_warps"]
-             for solve in (None, "fp16", "tf32", "ieee")}
-    assert warps == {None: 1, "fp16": 1, "tf32": 2, "ieee": 2}
-    assert default_tiles("wy", dtype=torch.float32, solve="ieee", **sizes)["num_warps"] == 2
+    warps = {(solve, wu): default_tiles("wy", dtype=torch.bfloat16, solve=solve, writes_wu=wu, **sizes)["num_warps"]
+             for solve in (None, "fp16", "tf32", "ieee") for wu in (False, True)}
+    assert warps == {(None, False): 1, ("fp16", False): 1, ("tf32", False): 1, ("ieee", False): 2,
+                     (None, True): 2, ("fp16", True): 2, ("tf32", True): 2, ("ieee", True): 2}
+    assert default_tiles("wy", dtype=torch.float32, **sizes)["num_warps"] == 2
 
 
 def _run(module, spec, inputs, seen):
@@ -75,15 +75,21 @@ def test_tma_is_dropped_where_bk_does_not_divide_k(wy_launches):
     assert rel_rmse(o, o_ref) < 5e-3 and rel_rmse(ht, ht_ref) < 5e-3
 
 
-@pytest.mark.parametrize("name, dtype, warps", [("gated_delta_rule", torch.float16, {1}),
-                                                ("delta_rule", torch.bfloat16, {2})])
-def test_each_launch_asks_the_warps_of_its_solve(name, dtype, warps, wy_launches):
-    """The forward passes its solve precision to the tiles: GDN's float16 T keeps one warp; delta_rule's bf16
-    W and U (a tf32 solve) and the backward's float32 T (ieee) take two."""
+@pytest.mark.parametrize("name, dtype", [("gated_delta_rule", torch.float16), ("delta_rule", torch.bfloat16)])
+def test_each_launch_asks_the_warps_of_what_it_writes(name, dtype, wy_launches):
+    """The forward passes what the stage writes and its solve precision to the tiles: T alone (GDN's float16 T,
+    delta_rule's bf16 T) keeps one warp; delta_rule's W and U with few heads (tiles.store_wu) and the backward's
+    float32 T (ieee) take two."""
     spec = next(s for s in (load_spec(p) for p in catalogue()) if s.name == name)
     module = importlib.import_module(f"generated.{name}")
     seen = wy_launches(module)
     inputs = make_inputs(spec, B=1, T=128, H=1, HV=2, K=32, V=32, dtype=dtype, h0=True, seed=5)
     _run(module, spec, inputs, seen)
-    assert seen and {kw["num_warps"] for _, kw in seen} == warps
-    assert all((kw["num_warps"] == 1) == (kw["SOLVE_PRECISION"] == "fp16") for _, kw in seen)
+    with override(spec.name, "store_wu", value=False):
+        _run(module, spec, inputs, seen)
+    assert seen
+    for _, kw in seen:
+        assert kw["num_warps"] == (2 if kw["STORE_WU"] or kw["SOLVE_PRECISION"] == "ieee" else 1), kw
+    if name == "delta_rule":
+        kinds = {(kw["STORE_WU"], kw["SOLVE_PRECISION"]) for _, kw in seen}
+        assert {(True, "tf32"), (False, "tf32"), (False, "ieee")} <= kinds, kinds

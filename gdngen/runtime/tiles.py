@@ -36,7 +36,7 @@ SM_COUNT_H200 = 132
 
 
 def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
-                  per_channel: bool = False, solve: Optional[str] = None) -> dict:
+                  per_channel: bool = False, solve: Optional[str] = None, writes_wu: bool = False) -> dict:
     """Launch parameters that compile for every head dim up to 256 (tl.dot needs tiles >= 16).
 
     The numbers come from the stage sweep on the H200 (benchmarks/NOTES.md): the WY stage is
@@ -61,15 +61,15 @@ def default_tiles(stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype
             return {"BK": min(32, pk), "num_warps": 4, "num_stages": 1}
         # One warp for 16-bit inputs: the whole (4,8192,16,32) bf16 forward 0.547 ms against 0.605 at
         # two warps (H200, stop 39 sweep; offline sm_90 182 registers, no spill). float32 inputs keep
-        # two warps: one would need more than 255 registers. So does a solve whose products take
-        # float32 operands (``solve`` "tf32" or "ieee": a 16-bit W / U, or a float32 T, not the float16
-        # T of "fp16"): at one warp delta_rule's stage spilled 360 / 672 B (197 local stores), at two
-        # none, with 2912 / 4360 instructions a warp (offline sm_90a, Triton 3.6,
-        # benchmarks/offline_sm90.py, stop 56; unmeasured on the H200).
+        # two warps: one would need more than 255 registers. So do a launch that writes W and U
+        # (``writes_wu``) and one that solves in float32 (``solve`` "ieee": the backward's float32 T): at
+        # one warp delta_rule's spilled 516-712 B and 1688 B, at two none (offline sm_90a, Triton 3.6,
+        # with TMA, (2, *, 2, 4) K=V=128; stop 56, unmeasured on the H200). T alone in fp16 or tf32 fits
+        # one warp (8-52 B at G_SHARE = 2).
         # 16-bit inputs take their key tiles by TMA through a host descriptor, whole [BT, K] tiles up
         # to K = 128 (the module drops TMA where BK does not divide K; stop 47, benchmarks/NOTES.md).
         if dtype.itemsize <= 2:
-            warps = 1 if solve in (None, "fp16") else 2
+            warps = 2 if writes_wu or solve == "ieee" else 1
             return {"BK": min(128, pk), "num_warps": warps, "num_stages": 2, "TMA": True}
         return {"BK": min(64, pk), "num_warps": 2, "num_stages": 2}
     if stage == "state_output":
@@ -274,7 +274,8 @@ def window_log_tolerance(dtype: torch.dtype) -> float:
 
 def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: int, dtype: torch.dtype,
           H: Optional[int] = None, T: Optional[int] = None, spec_hash: Optional[str] = None,
-          per_channel: bool = False, context: Optional[tuple] = None, solve: Optional[str] = None) -> dict:
+          per_channel: bool = False, context: Optional[tuple] = None, solve: Optional[str] = None,
+          writes_wu: bool = False) -> dict:
     """Launch parameters (BK, BV, num_warps, num_stages) for one launch of ``stage`` (``wy``,
     ``state``, ``output``, or ``state_output``: the state pass when it also writes the output).
 
@@ -285,26 +286,26 @@ def tiles(spec_name: str, stage: str, *, K: int, V: int, BT: int, N: int, HV: in
     decay is per key channel (its own defaults where that changes the kernel's register needs).
     ``context``: ``gdngen.autotune.cache.lookup_context()`` taken once by a caller that launches
     several stages (default: taken here; it reads the device and an environment variable).
-    ``solve``: the wy stage's solve precision (gdngen.runtime.launch.solve_precision), which sets its
-    default warps.
+    ``solve``, ``writes_wu``: the wy stage's solve precision (gdngen.runtime.launch.solve_precision) and
+    whether it writes W and U, which set its default warps.
     """
     for recorder in _RECORDERS:
         recorder.append(stage)
     forced = _OVERRIDES.get((spec_name, stage))
     if forced is not None:
         config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel,
-                               solve=solve)
+                               solve=solve, writes_wu=writes_wu)
         config.update(forced)
         return config
     if context is None:
         context = _cache.lookup_context()
     # T counts only through the cache's short / long bucket
     key = (spec_name, stage, K, V, BT, N, HV, dtype, H, None if T is None else T <= _cache.SHORT_T, spec_hash,
-           per_channel, context, solve)
+           per_channel, context, solve, writes_wu)
 
     def resolve():
         config = default_tiles(stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, per_channel=per_channel,
-                               solve=solve)
+                               solve=solve, writes_wu=writes_wu)
         device = context[0]
         tuned = _cache.lookup(spec_name, stage, K=K, V=V, BT=BT, N=N, HV=HV, dtype=dtype, H=H, T=T,
                               spec_hash=spec_hash, device=device) if device is not None else None
