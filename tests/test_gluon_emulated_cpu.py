@@ -1,5 +1,6 @@
 """CPU tier for the Gluon kernels (gdngen.runtime.gluon_emulator): first what the emulator itself must catch
-(a tile read before its wait, a shared tile rewritten before its store left, a wrong byte count, a deadlock),
+(a tile read before its wait, a shared tile rewritten before its store left, a wrong byte count, a deadlock, a
+slot handed back early, an asynchronous wgmma used or overwritten before its wait),
 then the gated delta rule's four Gluon stages run emulated against its Triton stages (under the interpreter,
 bf16 arithmetic as on the GPU: gdngen.bf16_emulation) and float64 - the checks tests/test_gluon_state_gpu.py
 makes on the H200, at CPU sizes."""
@@ -11,7 +12,7 @@ import torch
 
 from gdngen.runtime import gluon_emulator, override
 from gdngen.runtime.gluon_emulator import GluonEmulationError, TensorDescriptor, async_copy, deadlock_after, gl, jit
-from gdngen.runtime.gluon_emulator import mbarrier, tma
+from gdngen.runtime.gluon_emulator import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from gdngen.selfcheck import (call, make_inputs, poisoned_memory, reference_gradients, reference_outputs, rel_rmse,
                               training_gradients)
 from gdngen.spec import load_spec
@@ -154,6 +155,74 @@ def test_a_tile_read_without_waiting_for_its_load_is_a_race():
     for _ in range(5):
         with pytest.raises(GluonEmulationError, match="(write-after-read|read-after-write) race"):
             _ring_kernel[(1,)](_descriptor(src), out, 4, ARRIVALS=1, FIRST_UNWAITED=True)
+
+
+@jit
+def _wgmma_kernel(out, MODE: gl.constexpr):
+    """One asynchronous wgmma on a shared tile: waited for (0), its result used before the wait (1), its operand
+    overwritten before the wait (2), never waited for (3)."""
+    tile = gl.allocate_shared_memory(gl.bfloat16, [ROWS, COLS], gl.NVMMASharedLayout(128, 16, 2))
+    tile.store(gl.full([ROWS, COLS], 1.0, gl.bfloat16))
+    acc = warpgroup_mma(tile, tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32), is_async=True)
+    if MODE == 1:
+        acc = acc * 2.0
+    if MODE == 2:
+        tile.store(gl.full([ROWS, COLS], 2.0, gl.bfloat16))
+    if MODE != 3:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        o = gl.arange(0, ROWS)
+        gl.store(out + o[:, None] * ROWS + o[None, :], acc)
+
+
+@pytest.mark.parametrize("mode, error", [(1, "used before warpgroup_mma_wait"), (2, "unretired asynchronous wgmma"),
+                                         (3, "never retired")])
+def test_an_asynchronous_wgmma_is_pending_until_its_wait(mode, error):
+    out = torch.zeros(ROWS, ROWS)
+    _wgmma_kernel[(1,)](out, MODE=0)
+    assert torch.equal(out, torch.full((ROWS, ROWS), float(COLS)))
+    with pytest.raises(GluonEmulationError, match=error):
+        _wgmma_kernel[(1,)](out, MODE=mode)
+
+
+@jit
+def _mma_consumer(out, ring, ready, free, N, EARLY: gl.constexpr):
+    o_r = gl.arange(0, ROWS)
+    for i in range(N):
+        mbarrier.wait(ready.index(i % 2), (i // 2) & 1)
+        acc = warpgroup_mma(ring.index(i % 2), ring.index(i % 2).permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32),
+                            is_async=True)
+        if EARLY:
+            mbarrier.arrive(free.index(i % 2), count=1)      # (the slot handed back while the wgmma may read it)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if not EARLY:
+            mbarrier.arrive(free.index(i % 2), count=1)
+        gl.store(out + (i * ROWS + o_r[:, None]) * ROWS + o_r[None, :], acc)
+
+
+@jit
+def _mma_ring_kernel(src_desc, out, N, EARLY: gl.constexpr):
+    ring = gl.allocate_shared_memory(src_desc.dtype, [2, ROWS, COLS], src_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(free.index(j), count=1)
+    gl.warp_specialize([(_mma_consumer, (out, ring, ready, free, N, EARLY)),
+                        (_producer, (src_desc, ring, ready, free, N))], [1], [24])
+
+
+def test_a_slot_handed_back_before_its_wgmma_retires_is_a_race():
+    """A wgmma reads its shared operands until warpgroup_mma_wait retires it: a free arrival between the two lets
+    the loader reload the slot under it, and the emulator raises whichever of reload and retirement comes first
+    (stop 55's emulator took the read to happen at the issue)."""
+    src = torch.randn(6 * ROWS, COLS).bfloat16()
+    out = torch.full((6 * ROWS, ROWS), float("nan"))
+    _mma_ring_kernel[(1,)](_descriptor(src), out, 6, EARLY=False)
+    blocks = src.float().view(6, ROWS, COLS)
+    assert torch.allclose(out.view(6, ROWS, ROWS), blocks @ blocks.transpose(1, 2))
+    for _ in range(5):
+        with pytest.raises(GluonEmulationError, match="(write-after-read|read-after-write) race"):
+            _mma_ring_kernel[(1,)](_descriptor(src), out, 6, EARLY=True)
 
 
 def test_a_launch_past_the_register_file_is_an_error():

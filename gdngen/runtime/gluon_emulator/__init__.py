@@ -10,7 +10,9 @@ Gluon kernel here, program by program, the Triton kernels beside them under the 
 What is emulated, and how it finds the mistakes a kernel can make:
 
 - Register tensors are torch tensors (layouts are ignored); a wgmma is a float32 matmul of its operands as
-  they are rounded (TF32 operands rounded to 10 mantissa bits).
+  they are rounded (TF32 operands rounded to 10 mantissa bits). An asynchronous wgmma's result is pending until
+  ``warpgroup_mma_wait`` retires it: using it earlier raises, and so do overwriting one of its shared operands
+  before then and a partition ending with one unretired; its shared operands count as read until the wait.
 - Shared memory is a torch buffer filled with NaN when allocated; a load reads what is there.
 - A TMA load, a cp.async copy and a TMA store land *late*: a TMA load when some partition waits on its
   mbarrier, a cp.async group at the ``wait_group`` that retires it, a TMA store at the ``store_wait`` that
@@ -35,8 +37,8 @@ The package: ``program`` (partitions, their clocks, the race check), ``memory`` 
 memory, mbarriers), ``language`` (the builtins and launches), and here the generated module's emulated view.
 
 Not emulated: each partition's registers and spills, and shared memory against its limit
-(``benchmarks/offline_sm90.py`` compiles every launch for sm_90a without a GPU), asynchrony of wgmma (its result is
-ready at issue), layouts' legality. The barrier clocks keep only each barrier's last completed phase.
+(``benchmarks/offline_sm90.py`` compiles every launch for sm_90a without a GPU), the proxy fences
+(``fence_async_shared`` does nothing), layouts' legality. The barrier clocks keep only each barrier's last completed phase.
 """
 from __future__ import annotations
 

@@ -319,14 +319,67 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _operand(x):
-    return x.load() if isinstance(x, SharedMemory) else x      # (a shared operand's read is recorded)
+class _Wgmma:
+    """One asynchronous wgmma in flight: its shared-memory operands, read until warpgroup_mma_wait retires it."""
+
+    def __init__(self, operands):
+        self.operands = operands
+        self.retired = False
+
+
+class _Pending:
+    """An asynchronous wgmma's accumulator before warpgroup_mma_wait retires it: it may only be the accumulator of
+    the next wgmma or a ``deps`` entry; any other use raises, as the hardware would hand back garbage."""
+
+    def __init__(self, value: torch.Tensor, wgmma: _Wgmma, thread):
+        self._value, self._wgmma, self._thread = value, wgmma, thread
+
+    def _unready(self, *args, **kwargs):
+        raise GluonEmulationError("an asynchronous wgmma's result used before warpgroup_mma_wait retired it")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __neg__ = __getitem__ = _unready
+    to = sum = _unready
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise GluonEmulationError("an asynchronous wgmma's result used before warpgroup_mma_wait retired it")
+
+    @property
+    def shape(self):
+        return self._value.shape
+
+
+def _operand(x, operands: list):
+    if isinstance(x, _Pending):
+        x._unready()
+    if isinstance(x, SharedMemory):
+        operands.append(x)
+        return x.load()                                   # (a shared operand's read is recorded)
+    return x
+
+
+def _retire(thread, keep: int):
+    """Retires this partition's oldest wgmmas until ``keep`` are in flight: their shared operands are read until
+    now, so their reads are recorded again at this clock (an arrival before this wait does not cover them)."""
+    while len(thread.wgmmas) > keep:
+        wgmma = thread.wgmmas.pop(0)
+        wgmma.retired = True
+        for operand in wgmma.operands:
+            _record_read(operand)
 
 
 def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
     """acc + a @ b in float32 (``use_acc`` False: a @ b), the operands as they are (16-bit, or float32 taken
-    at TF32 unless ``precision`` is "ieee")."""
-    a, b = _operand(a), _operand(b)
+    at TF32 unless ``precision`` is "ieee"). With ``is_async`` the result is pending until warpgroup_mma_wait
+    retires it, and its shared operands count as read until then; otherwise it is waited for at once (with every
+    wgmma before it)."""
+    thread = _thread()
+    operands: list = []
+    a, b = _operand(a, operands), _operand(b, operands)
+    if isinstance(acc, _Pending):
+        if acc._thread is not thread:
+            raise GluonEmulationError("a wgmma accumulating onto another partition's pending result")
+        acc = acc._value
     if a.dtype != b.dtype:
         raise GluonEmulationError(f"wgmma operands of two dtypes: {a.dtype} and {b.dtype}")
     if a.shape[1] != b.shape[0] or tuple(acc.shape) != (a.shape[0], b.shape[1]):
@@ -334,13 +387,23 @@ def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_
     if a.dtype == torch.float32 and precision != "ieee":
         a, b = _round_tf32(a), _round_tf32(b)
     product = torch.matmul(a.to(torch.float32), b.to(torch.float32))
-    return acc.to(torch.float32) + product if bool(use_acc) else product
+    value = acc.to(torch.float32) + product if bool(use_acc) else product
+    wgmma = _Wgmma(operands)
+    thread.wgmmas.append(wgmma)
+    if not is_async:
+        _retire(thread, 0)
+        return value
+    return _Pending(value, wgmma, thread)
 
 
 def warpgroup_mma_wait(num_outstanding=0, deps=None):
+    """Retires all but the ``num_outstanding`` most recent wgmmas of this partition; returns ``deps`` with each
+    retired pending result as its value (one still in flight stays pending)."""
     if deps is None:
         raise GluonEmulationError("warpgroup_mma_wait deps must be given")
-    deps = tuple(deps)
+    thread = _thread()
+    _retire(thread, int(num_outstanding))
+    deps = tuple(d._value if isinstance(d, _Pending) and d._wgmma.retired else d for d in deps)
     return deps[0] if len(deps) == 1 else deps
 
 

@@ -49,6 +49,7 @@ class _Thread:
         self.tid = program.threads
         program.threads += 1
         self.clock = {self.tid: 0}          # vector clock: what of each partition happened before this point
+        self.wgmmas: list = []              # asynchronous wgmmas not yet retired, in issue order
 
     def release(self) -> dict:
         """This partition's clock as an arrival publishes it; later events are after it."""
@@ -62,6 +63,8 @@ class _Thread:
                 self.clock[tid] = c
 
     def flush(self):
+        if self.wgmmas:
+            raise GluonEmulationError(f"{len(self.wgmmas)} asynchronous wgmma(s) never retired by warpgroup_mma_wait")
         for group in self.groups:
             for copy in group:
                 copy()
@@ -113,7 +116,7 @@ def _record_read(smem: "SharedMemory"):
 def _check_overwrite(thread, smem: "SharedMemory", what: str):
     """A write into ``smem`` (a TMA or cp.async load's issue, a store) must come after every other partition's
     reads of it: after an arrival of the reader's, made once it read, that this partition has waited on. The
-    write is kept for the read check.
+    write is kept for the read check. A write over an operand of this partition's own unretired wgmma raises too.
 
     With both checks a slot handed back early is caught whichever comes first in time: the reader's read (the
     write is not ordered before it) or the writer's write (the read is not ordered before it)."""
@@ -123,6 +126,12 @@ def _check_overwrite(thread, smem: "SharedMemory", what: str):
                 f"write-after-read race: {what} from partition {thread.tid} into shared memory that "
                 f"partition {tid} read with no arrival of its, made after the read, waited on first")
     key, lo, hi = _region(smem.data)
+    for wgmma in thread.wgmmas:
+        for operand in wgmma.operands:
+            key2, lo2, hi2 = _region(operand.data)
+            if key2 == key and lo2 < hi and lo < hi2:
+                raise GluonEmulationError(f"{what} into shared memory an unretired asynchronous wgmma of partition "
+                                          f"{thread.tid} reads (warpgroup_mma_wait first)")
     thread.program.writes.setdefault(key, {}).setdefault((lo, hi), {})[thread.tid] = thread.clock[thread.tid]
 
 
