@@ -12,7 +12,7 @@ import torch
 
 from gdngen.runtime import gluon_emulator, override
 from gdngen.runtime.gluon_emulator import GluonEmulationError, TensorDescriptor, async_copy, deadlock_after, gl, jit
-from gdngen.runtime.gluon_emulator import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from gdngen.runtime.gluon_emulator import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from gdngen.selfcheck import (call, make_inputs, poisoned_memory, reference_gradients, reference_outputs, rel_rmse,
                               training_gradients)
 from gdngen.spec import load_spec
@@ -72,10 +72,12 @@ def _store_kernel(dst_desc, WAIT_STORE: gl.constexpr):
     """Two blocks stored from one tile, rewritten between the stores after a store_wait or not."""
     tile = gl.allocate_shared_memory(dst_desc.dtype, dst_desc.block_type.shape, dst_desc.layout)
     tile.store(gl.full([ROWS, COLS], 1.0, gl.float32))
+    fence_async_shared()
     tma.async_copy_shared_to_global(dst_desc, [0, 0], tile)
     if WAIT_STORE:
         tma.store_wait(0)
     tile.store(gl.full([ROWS, COLS], 2.0, gl.float32))
+    fence_async_shared()
     tma.async_copy_shared_to_global(dst_desc, [ROWS, 0], tile)
     tma.store_wait(0)
 
@@ -160,9 +162,11 @@ def test_a_tile_read_without_waiting_for_its_load_is_a_race():
 @jit
 def _wgmma_kernel(out, MODE: gl.constexpr):
     """One asynchronous wgmma on a shared tile: waited for (0), its result used before the wait (1), its operand
-    overwritten before the wait (2), never waited for (3)."""
+    overwritten before the wait (2), never waited for (3), the tile's store not fenced before it (4)."""
     tile = gl.allocate_shared_memory(gl.bfloat16, [ROWS, COLS], gl.NVMMASharedLayout(128, 16, 2))
     tile.store(gl.full([ROWS, COLS], 1.0, gl.bfloat16))
+    if MODE != 4:
+        fence_async_shared()
     acc = warpgroup_mma(tile, tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32), is_async=True)
     if MODE == 1:
         acc = acc * 2.0
@@ -175,13 +179,52 @@ def _wgmma_kernel(out, MODE: gl.constexpr):
 
 
 @pytest.mark.parametrize("mode, error", [(1, "used before warpgroup_mma_wait"), (2, "unretired asynchronous wgmma"),
-                                         (3, "never retired")])
+                                         (3, "never retired"), (4, "no fence_async_shared")])
 def test_an_asynchronous_wgmma_is_pending_until_its_wait(mode, error):
     out = torch.zeros(ROWS, ROWS)
     _wgmma_kernel[(1,)](out, MODE=0)
     assert torch.equal(out, torch.full((ROWS, ROWS), float(COLS)))
     with pytest.raises(GluonEmulationError, match=error):
         _wgmma_kernel[(1,)](out, MODE=mode)
+
+
+@jit
+def _handoff_writer(tile, bars, FENCE: gl.constexpr):
+    tile.store(gl.full([ROWS, COLS], 1.0, gl.bfloat16))
+    if FENCE == 1:
+        fence_async_shared()
+    mbarrier.arrive(bars.index(0), count=1)
+    if FENCE == 2:
+        fence_async_shared()                                  # (after the arrival: too late)
+
+
+@jit
+def _handoff_reader(out, tile, bars):
+    mbarrier.wait(bars.index(0), 0)
+    acc = warpgroup_mma(tile, tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32))
+    o = gl.arange(0, ROWS)
+    gl.store(out + o[:, None] * ROWS + o[None, :], acc)
+
+
+@jit
+def _handoff_kernel(out, FENCE: gl.constexpr):
+    """One partition stores a tile and arrives, another waits and reads it by wgmma; the store fenced before the
+    arrival (1), not at all (0), or after it (2)."""
+    tile = gl.allocate_shared_memory(gl.bfloat16, [ROWS, COLS], gl.NVMMASharedLayout(128, 16, 2))
+    bars = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    gl.warp_specialize([(_handoff_reader, (out, tile, bars)), (_handoff_writer, (tile, bars, FENCE))], [1], [24])
+
+
+def test_a_tile_stored_and_handed_on_needs_a_fence_before_the_arrival():
+    """A generic-proxy store read by another partition's wgmma (the async proxy) must be fenced before the
+    arrival that hands it on, as the hardware needs."""
+    out = torch.zeros(ROWS, ROWS)
+    _handoff_kernel[(1,)](out, FENCE=1)
+    assert torch.equal(out, torch.full((ROWS, ROWS), float(COLS)))
+    for fence in (0, 2):
+        with pytest.raises(GluonEmulationError, match="no fence_async_shared before its arrival"):
+            _handoff_kernel[(1,)](out, FENCE=fence)
 
 
 @jit

@@ -32,13 +32,17 @@ What is emulated, and how it finds the mistakes a kernel can make:
   after that read, and a read of memory another partition wrote must come after that write: a slot handed back
   before its last read, or a tile read before the wait that orders it after its load, raises a race, whichever
   of the two the threads' timing puts first.
+- A store into shared memory is a generic-proxy write: the async proxy (a wgmma operand, a TMA store's source)
+  may read it only after a ``fence_async_shared`` of the storing partition, made before the arrival that
+  handed the tile on; a read without one raises.
+- Regions overlap by their bytes (two column halves of one tile do not; a permuted view is its tile).
 
 The package: ``program`` (partitions, their clocks, the race check), ``memory`` (pointers, descriptors, shared
 memory, mbarriers), ``language`` (the builtins and launches), and here the generated module's emulated view.
 
 Not emulated: each partition's registers and spills, and shared memory against its limit
-(``benchmarks/offline_sm90.py`` compiles every launch for sm_90a without a GPU), the proxy fences
-(``fence_async_shared`` does nothing), layouts' legality. The barrier clocks keep only each barrier's last completed phase.
+(``benchmarks/offline_sm90.py`` compiles every launch for sm_90a without a GPU), layouts' legality. The barrier
+clocks keep only each barrier's last completed phase.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ import torch
 from gdngen.runtime.gluon_emulator.memory import (Pointer, SharedMemory, TensorDescriptor, _Barrier, _Barriers,
                                                   _Constexpr, _Layout, _MBarrierLayout)
 from gdngen.runtime.gluon_emulator.program import (SETTINGS, GluonEmulationError, _check_launch_registers,
-                                                   _check_overwrite, _local, _Program, _record_read, _Thread, _thread,
+                                                   _check_fenced, _check_overwrite, _local, _Program, _record_read,
+                                                   _Thread, _thread,
                                                    _wait_until)
 
 
@@ -255,6 +256,9 @@ def _make_tma():
     def async_copy_shared_to_global(desc: TensorDescriptor, coords, smem: SharedMemory):
         _check_tile(desc, smem, "TMA store")
         coords = [int(c) for c in coords]
+        thread = _thread()
+        with thread.program.cond:
+            _check_fenced(thread, smem, "a TMA store")
 
         def store():
             _record_read(smem)
@@ -353,6 +357,9 @@ def _operand(x, operands: list):
     if isinstance(x, _Pending):
         x._unready()
     if isinstance(x, SharedMemory):
+        thread = _thread()
+        with thread.program.cond:
+            _check_fenced(thread, x, "a wgmma")
         operands.append(x)
         return x.load()                                   # (a shared operand's read is recorded)
     return x
@@ -408,7 +415,10 @@ def warpgroup_mma_wait(num_outstanding=0, deps=None):
 
 
 def fence_async_shared(cluster=False):
-    return None
+    thread = getattr(_local, "thread", None)
+    if thread is not None:
+        with thread.program.cond:
+            thread.fence()
 
 
 # ------------------------------------------------------------------------------------------------- launching

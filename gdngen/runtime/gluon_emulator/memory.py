@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gdngen.runtime.gluon_emulator.program import GluonEmulationError, _check_overwrite, _local, _record_read
+from gdngen.runtime.gluon_emulator.program import (GluonEmulationError, _check_overwrite, _local, _note_store,
+                                                   _record_read)
 
 
 class _Layout:
@@ -150,6 +151,7 @@ class SharedMemory:
         if thread is not None:
             with thread.program.cond:
                 _check_overwrite(thread, self, "a store")
+                _note_store(thread, self)
         self.data.copy_(value)
 
 
