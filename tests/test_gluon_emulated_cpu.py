@@ -116,16 +116,18 @@ def _consumer(out, ring, ready, free, N, ARRIVALS: gl.constexpr, EARLY: gl.const
 
 @jit
 def _ring_kernel(src_desc, out, N, ARRIVALS: gl.constexpr, EARLY: gl.constexpr = False,
-                 FIRST_UNWAITED: gl.constexpr = False):
-    """A loader partition and a consumer over a two-slot ring (ready / free barriers), as the state passes run."""
+                 FIRST_UNWAITED: gl.constexpr = False, MMA: gl.constexpr = False):
+    """A loader partition and a consumer over a two-slot ring (ready / free barriers), as the state passes run;
+    with MMA the consumer reads each slot by an asynchronous wgmma (_mma_consumer)."""
     ring = gl.allocate_shared_memory(src_desc.dtype, [2, ROWS, COLS], src_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(2):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(free.index(j), count=1)
-    gl.warp_specialize([(_consumer, (out, ring, ready, free, N, ARRIVALS, EARLY, FIRST_UNWAITED)),
-                        (_producer, (src_desc, ring, ready, free, N))], [1], [24])
+    consumer = ((_mma_consumer, (out, ring, ready, free, N, EARLY)) if MMA else
+                (_consumer, (out, ring, ready, free, N, ARRIVALS, EARLY, FIRST_UNWAITED)))
+    gl.warp_specialize([consumer, (_producer, (src_desc, ring, ready, free, N))], [1], [24])
 
 
 def test_partitions_over_a_ring():
@@ -242,30 +244,18 @@ def _mma_consumer(out, ring, ready, free, N, EARLY: gl.constexpr):
         gl.store(out + (i * ROWS + o_r[:, None]) * ROWS + o_r[None, :], acc)
 
 
-@jit
-def _mma_ring_kernel(src_desc, out, N, EARLY: gl.constexpr):
-    ring = gl.allocate_shared_memory(src_desc.dtype, [2, ROWS, COLS], src_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(free.index(j), count=1)
-    gl.warp_specialize([(_mma_consumer, (out, ring, ready, free, N, EARLY)),
-                        (_producer, (src_desc, ring, ready, free, N))], [1], [24])
-
-
 def test_a_slot_handed_back_before_its_wgmma_retires_is_a_race():
     """A wgmma reads its shared operands until warpgroup_mma_wait retires it: a free arrival between the two lets
     the loader reload the slot under it, and the emulator raises whichever of reload and retirement comes first
     (stop 55's emulator took the read to happen at the issue)."""
     src = torch.randn(6 * ROWS, COLS).bfloat16()
     out = torch.full((6 * ROWS, ROWS), float("nan"))
-    _mma_ring_kernel[(1,)](_descriptor(src), out, 6, EARLY=False)
+    _ring_kernel[(1,)](_descriptor(src), out, 6, ARRIVALS=1, MMA=True)
     blocks = src.float().view(6, ROWS, COLS)
     assert torch.allclose(out.view(6, ROWS, ROWS), blocks @ blocks.transpose(1, 2))
     for _ in range(5):
         with pytest.raises(GluonEmulationError, match="(write-after-read|read-after-write) race"):
-            _mma_ring_kernel[(1,)](_descriptor(src), out, 6, EARLY=True)
+            _ring_kernel[(1,)](_descriptor(src), out, 6, ARRIVALS=1, EARLY=True, MMA=True)
 
 
 def test_a_launch_past_the_register_file_is_an_error():
