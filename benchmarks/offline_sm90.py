@@ -2,7 +2,8 @@
 stack, spills and wgmma serialisation per warp-specialised partition.
 
     python benchmarks/offline_sm90.py --triton /tmp/t36x [--module gated_delta_rule] [--shape B,T,H,HV]
-        [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--ptx-dir DIR]
+        [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--kernel _reverse]
+        [--set VALUES_REGS=152,SCORES_REGS=176] [--ptx-dir DIR]
 
 Two processes:
 1. record (TRITON_INTERPRET=1): the module's emulated copy (gdngen.runtime.gluon_emulator) runs one call at a small
@@ -146,6 +147,19 @@ def _partitions(sass: str) -> list:
     return [p for p in parts if p["n"] > 40]
 
 
+def _adjusted(launches: list, kernels: str, settings: dict) -> list:
+    """The launches of kernels whose names contain ``kernels`` (all if empty), with ``settings`` (name -> int)
+    replacing the constexprs and launch options of those names (a register split swept without a template edit)."""
+    out = []
+    for name, arguments, options, home in launches:
+        if kernels and kernels not in name:
+            continue
+        arguments = {n: ("value", settings[n]) if n in settings and d[0] == "value" else d for n, d in arguments.items()}
+        options = {n: settings.get(n, v) for n, v in options.items()}
+        out.append((name, arguments, options, home))
+    return out
+
+
 def compile_all(launches: list, ptx_dir: str | None) -> list:
     import importlib
     import triton
@@ -200,6 +214,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
     parser.add_argument("--switches", default="", help="override switches: name=1,name=0 (state_pieces=4: pieces and their walks)")
     parser.add_argument("--triton", help="a folder holding the H200's Triton (put first on the path to compile)")
+    parser.add_argument("--kernel", default="", help="only the kernels whose names contain this")
+    parser.add_argument("--set", default="", help="constexprs / launch options to replace, e.g. "
+                        "VALUES_REGS=152,SCORES_REGS=176 (a register split) or maxnreg=128")
     parser.add_argument("--ptx-dir", help="keep each kernel's PTX and SASS here")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--_record", help=argparse.SUPPRESS)
@@ -212,7 +229,8 @@ def main(argv=None) -> None:
         pickle.dump(launches, open(args._record, "wb"))
         return
     if args._compile:
-        rows = compile_all(pickle.load(open(args._compile, "rb")), args.ptx_dir)
+        settings = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.set.split(",") if kv}
+        rows = compile_all(_adjusted(pickle.load(open(args._compile, "rb")), args.kernel, settings), args.ptx_dir)
         json.dump(rows, sys.stdout)
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,7 +240,7 @@ def main(argv=None) -> None:
         subprocess.run([sys.executable, __file__, *common, "--_record", launches], env=env, check=True)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.triton, ROOT) if p)
-        extra = ["--ptx-dir", args.ptx_dir] if args.ptx_dir else []
+        extra = ["--kernel", args.kernel, "--set", args.set] + (["--ptx-dir", args.ptx_dir] if args.ptx_dir else [])
         out = subprocess.run([sys.executable, __file__, *common, "--_compile", launches, *extra], env=env,
                              check=True, stdout=subprocess.PIPE, text=True).stdout
     rows = json.loads(out)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks.offline_sm90 import _partitions, record
+from benchmarks.offline_sm90 import _adjusted, _partitions, record
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the emulated module's Triton kernels need TRITON_INTERPRET=1")
@@ -79,3 +79,15 @@ def test_recording_puts_the_emulator_back():
     launch = EmulatedKernel.launch
     record("gated_delta_rule", (1, 64, 1, 1), (128, 128), "fwd", {})
     assert EmulatedKernel.launch is launch
+
+
+def test_settings_replace_constexprs_and_options_of_the_kernels_asked():
+    launches = [("_reverse_gluon_kernel", {"VALUES_REGS": ("value", 160), "q_desc": ("desc", "torch.bfloat16", [1, 1], [1, 1])},
+                 {"maxnreg": 128}, "generated.gated_delta_rule"),
+                ("_chunk_bwd_gluon_kernel", {"BT": ("value", 64)}, {}, "generated.gated_delta_rule")]
+    adjusted = _adjusted(launches, "_reverse", {"VALUES_REGS": 152, "maxnreg": 168, "q_desc": 1})
+    assert len(adjusted) == 1
+    name, arguments, options, _ = adjusted[0]
+    assert arguments["VALUES_REGS"] == ("value", 152) and options == {"maxnreg": 168}
+    assert arguments["q_desc"][0] == "desc"                     # only constexprs and plain values are replaced
+    assert _adjusted(launches, "", {}) == launches
