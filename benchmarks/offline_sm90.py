@@ -14,9 +14,9 @@ Two processes:
    (the Gluon stages read their outputs); ``gdngen check --compile-sm90`` compiles those (gdngen.compilecheck,
    whose ptxas report this uses).
 2. compile (the Triton at ``--triton``, the H200's version, no interpreter): each distinct launch is compiled
-   by the real module's kernel for sm_90a through Triton's own specialisation, with a stand-in driver;
-   ``compilecheck.ptxas_report`` (ptxas -v) reports spills and "wgmma serialized" (C7512), and the SASS is split at
-   each partition's setmaxnreg.
+   by the real module's kernel for sm_90a (``compilecheck.compile_sm90``: Triton's own specialisation of the
+   arguments); ``compilecheck.ptxas_report`` (ptxas -v) reports spills and "wgmma serialized" (C7512), and the SASS
+   is split at each partition's setmaxnreg.
 
 A row per kernel: registers, stack, shared memory, ptxas's spill bytes and C7512 note; then per partition its
 setmaxnreg, instructions, local stores / loads, wgmma count and how many of them wait for the one before
@@ -93,27 +93,6 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict)
 
 # ---- phase 2: compile them ----------------------------------------------------------------------------------
 
-class _OfflineDriver:
-    """What JITFunction.run asks of the driver before it compiles, for an H200 that is not here."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", 90, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        import torch
-        return torch.device("cpu")
-
-
 def _argument(description):
     import torch
     from gdngen.runtime.gluon import gl_dtype, row_descriptor
@@ -163,9 +142,7 @@ def _adjusted(launches: list, kernels: str, settings: dict) -> list:
 def compile_all(launches: list, ptx_dir: str | None) -> list:
     import importlib
     import triton
-    from triton.runtime.driver import driver
-    from gdngen.compilecheck import ptxas_report
-    driver.set_active(_OfflineDriver())
+    from gdngen.compilecheck import Launch, compile_sm90, ptxas_report
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows, seen = [], set()
     for name, arguments, options, home in launches:
@@ -175,7 +152,9 @@ def compile_all(launches: list, ptx_dir: str | None) -> list:
         seen.add(key)
         kernel = getattr(importlib.import_module(home), name)       # the module's own, or gdngen.runtime's
         values = {n: _argument(d) for n, d in arguments.items()}
-        compiled = kernel.warmup(**values, **options, grid=(1,))
+        # (num_warps: the Gluon kernels' constexpr, the launch's warps)
+        compiled = compile_sm90(Launch(kernel, values, int(values.get("num_warps", 4)), 3),
+                                **{k: v for k, v in options.items() if k not in ("num_warps", "num_stages")})
         constexprs = {n: d[1] for n, d in arguments.items()
                       if d[0] == "value" and n in [kernel.arg_names[i] for i in kernel.constexprs]}
         with tempfile.TemporaryDirectory() as tmp:

@@ -255,15 +255,29 @@ def _key(launch: Launch) -> tuple:
             tuple(sorted((k, repr(v)) for k, v in attrs.items())), launch.num_warps, launch.num_stages)
 
 
-def compile_launch(launch: Launch) -> dict:
-    """Compile one launch for sm_90: shared bytes, registers, spill bytes (or the error)."""
+def compile_sm90(launch: Launch, **options):
+    """``triton.compile`` of one launch for sm_90, its arguments specialised as Triton's launcher would; a Gluon
+    kernel from its Gluon source (benchmarks/offline_sm90.py); ``options`` beyond num_warps / num_stages (maxnreg)
+    passed on."""
     import triton
     from triton.compiler import ASTSource
+    source = ASTSource
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+        if isinstance(launch.fn, GluonJITFunction):
+            source = GluonASTSource
+    except ImportError:            # a Triton without Gluon
+        pass
     signature, constexprs, attrs = _signature(launch)
+    return triton.compile(source(launch.fn, signature, constexprs, attrs), target=_target(),
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **options))
+
+
+def compile_launch(launch: Launch) -> dict:
+    """Compile one launch for sm_90: shared bytes, registers, spill bytes (or the error)."""
     result = {"shared": None, "regs": None, "spill": None, "serialized": [], "error": None}
     try:
-        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=_target(),
-                                  options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+        compiled = compile_sm90(launch)
     except Exception as exc:       # OutOfResources, MLIR/PTX failures: the row fails with the message
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
         return result
