@@ -62,7 +62,7 @@ def main():
     paths = args.modules.split()
     modules = [load_module(ROOT / p, f"gdr_variant_{i}") for i, p in enumerate(paths)]
     overrides = [parse_override(t) for t in args.bwd_tiles.split()]
-    switches = [[(name, bool(int(value))) for name, _, value in (item.partition("=") for item in group.split(","))]
+    switches = [[(name, int(value)) for name, _, value in (item.partition("=") for item in group.split(","))]
                 for group in args.switches.split()]
     record = row_writer(args.out)
 
