@@ -465,3 +465,111 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
     for name in grads[True]:
         assert not grads[True][name].isnan().any(), name
         assert rel_rmse(grads[True][name], grads[False][name]) <= 2e-4, name
+
+
+@pytest.mark.parametrize("shape, h0, pieces, dtype", [
+    (dict(B=1, T=512, H=1, HV=2), True, 4, torch.bfloat16),     # pieces: T formed for the walks' chunks too
+    (dict(B=2, T=256, H=2, HV=4), False, 1, torch.float16),     # dense sequences, grouped value heads
+])
+def test_forward_pass_forms_t_itself(emulated, monkeypatch, shape, h0, pieces, dtype):
+    """The no-grad forward with the Gluon pass forming each chunk's T (override gluon_fused_t; FUSED_T): no wy
+    launch, o and the final state against the pass fed by the wy stage (T by another product order: a rounding
+    apart, as the Gluon and Triton passes are) and float64, on NaN-poisoned buffers; the emulator's race checks
+    cover the T tiles' hand-off from the scores partition to the chains."""
+    module, launches = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=53, K=128, V=128, h0=h0, **shape)
+    wy_launches = []
+
+    class Counting(dict):
+        def __getitem__(self, BT):
+            wy_launches.append(BT)
+            return dict.__getitem__(self, BT)
+    monkeypatch.setattr(module, "_WY_FAST", Counting(module._WY_FAST))
+    outputs = {}
+    for fused in (True, False):
+        wy_launches.clear()
+        launches["_state_output_gluon"].clear()
+        with _switched(True, pieces, gluon_fused_t=fused):
+            outputs[fused] = call(module, spec, inputs, output_final_state=True)
+        assert launches["_state_output_gluon"] == [pieces * shape["B"]]
+        assert len(wy_launches) == (0 if fused else 1)
+    (o, ht), (o_wy, ht_wy) = outputs[True], outputs[False]
+    assert not o.isnan().any() and not ht.isnan().any()
+    o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
+    errors = {name: (rel_rmse(x, ref), rel_rmse(x_wy, ref))
+              for name, x, x_wy, ref in (("o", o, o_wy, o_ref), ("ht", ht, ht_wy, ht_ref))}
+    assert rel_rmse(o, o_wy) <= 2 ** -9 and rel_rmse(ht, ht_wy) <= 1e-3
+    assert all(mine <= 5e-3 and mine <= 1.05 * theirs for mine, theirs in errors.values()), errors
+
+
+def test_forward_pass_forms_t_only_where_asked_and_in_float16():
+    from gdngen.runtime import gluon
+    assert not gluon.fused_t_usable(NAME, torch.bfloat16, torch.float16)
+    with override(NAME, "gluon_fused_t", value=True):
+        assert gluon.fused_t_usable(NAME, torch.bfloat16, torch.float16)
+        assert gluon.fused_t_usable(NAME, torch.float16, torch.float16)
+        assert not gluon.fused_t_usable(NAME, torch.bfloat16, torch.bfloat16)    # a tf32 solve: the wy stage's
+        assert not gluon.fused_t_usable(NAME, torch.float32, torch.float32)
+
+
+def test_forward_pass_solves_a_chunk_past_float16s_range_at_tf32(emulated):
+    """Keys of norm 1.4 around one direction and beta near 1 put |A_ij| up to ~1.6 in every chunk: there the wy
+    stage and the pass (FUSED_T) both solve at tf32. An ill-conditioned chunk either way: o and the final state
+    against float64 within twice the wy stage's error (stop 58, emulated: the pass 0.22 / 0.046, the wy stage
+    0.46 / 0.048)."""
+    module, _ = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=57, K=128, V=128, h0=True, B=1, T=256, H=1,
+                         HV=2)
+    k = inputs["k"].double()
+    k = k[:, :1] + 0.7 * k
+    inputs["k"] = (1.4 * k / k.norm(dim=-1, keepdim=True)).bfloat16()
+    inputs["beta"] = torch.sigmoid(torch.logit(inputs["beta"]) + 2)
+    kk, beta = inputs["k"].double()[0, :64, 0], inputs["beta"].double()[0, :64, 0]
+    assert ((kk @ kk.T).tril(-1) * beta[:, None]).abs().max() > 1.4       # past float16's range
+    outputs = {}
+    for fused in (True, False):
+        with _switched(True, 1, gluon_fused_t=fused):
+            outputs[fused] = call(module, spec, inputs, output_final_state=True)
+    want = reference_outputs(spec, inputs, output_final_state=True)
+    for got, got_wy, ref in zip(outputs[True], outputs[False], want):
+        assert not got.isnan().any()
+        assert rel_rmse(got, ref) <= 2 * rel_rmse(got_wy, ref), (rel_rmse(got, ref), rel_rmse(got_wy, ref))
+
+
+@jit
+def _inverse_kernel(a, t, BT: gl.constexpr):
+    """T = (I + A)^-1 of one [BT, BT] A through the pass's solve (_SOLVE: the emulated module's
+    _t_guarded_inverse)."""
+    L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    o_r = gl.arange(0, BT, layout=gl.SliceLayout(1, L))
+    o_c = gl.arange(0, BT, layout=gl.SliceLayout(0, L))
+    w_s = gl.allocate_shared_memory(gl.float16, [3, BT, BT], gl.NVMMASharedLayout(128, 16, 2))
+    b_t = _SOLVE(gl.load(a + o_r[:, None] * BT + o_c[None, :]), w_s, o_r, o_c, L)
+    gl.store(t + o_r[:, None] * BT + o_c[None, :], b_t)
+
+
+_SOLVE = None
+
+
+def test_the_pass_solve_keeps_the_wy_stages_range_guard(emulated, monkeypatch):
+    """FUSED_T's solve guards its range as the wy stage does: a random strictly lower A within 1 solves on float16
+    operands, T within 10-bit rounding of float64's inverse; A_ij = 1.9 below the diagonal (beta near 2 over
+    repeated keys) would overflow float16 in the product form's powers (~1.9^8 C(15, 8)), and solves at tf32
+    instead: finite, though the product form's cancellation leaves it far from the inverse there, as in the wy
+    stage's tf32 path."""
+    module, _ = emulated
+    monkeypatch.setitem(globals(), "_SOLVE", module._t_guarded_inverse)
+    BT = 64
+    i = torch.arange(BT)
+    lower = i[:, None] > i[None, :]
+    gen = torch.Generator().manual_seed(59)
+    A = torch.where(lower, 2 * torch.rand(BT, BT, generator=gen) - 1, 0.).double()
+    want = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + A)
+    t = torch.full((BT, BT), float("nan"))
+    _inverse_kernel[(1,)](A.float(), t, BT=BT)
+    assert ((t.double() - want).norm() / want.norm()).item() <= 1e-2
+    t = torch.full((BT, BT), float("nan"))
+    _inverse_kernel[(1,)](torch.where(lower, 1.9, 0.), t, BT=BT)
+    assert torch.isfinite(t).all()

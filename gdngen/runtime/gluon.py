@@ -179,6 +179,20 @@ def reverse_wy_enabled(spec_name: str) -> bool:
     return False if forced is None else bool(forced["value"])
 
 
+def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -> bool:
+    """Whether a forward that keeps no states has the Gluon pass form each chunk's T = (I + A)^-1 itself
+    (stages/state_gluon.py.j2, FUSED_T: its scores partition takes K K^T from the key tile it loads anyway and
+    solves on tensor cores), so that the wy stage, its read of k and T's round trip through memory go. Only
+    where the wy stage would solve in "fp16" (T in float16: gdngen.runtime.launch.solve_precision); a chunk past
+    that precision's range (an |A_ij| over 1) is balanced first where the wy stage solves it in tf32. Off by
+    default until a GPU measures it: ``override(spec, "gluon_fused_t", value=True)``."""
+    forced = _OVERRIDES.get((spec_name, "gluon_fused_t"))
+    if forced is None or not forced["value"]:
+        return False
+    from gdngen.runtime.launch import solve_precision
+    return solve_precision(k_dtype, t_dtype) == "fp16"
+
+
 def chunk_bwd_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, values: torch.Tensor,
                        h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> Optional[str]:
     """Why the backward's chunk stage over these dense inputs cannot run the Gluon kernel
