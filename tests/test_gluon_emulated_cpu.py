@@ -471,7 +471,7 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
     (dict(B=1, T=512, H=1, HV=2), True, 4, torch.bfloat16),     # pieces: T formed for the walks' chunks too
     (dict(B=2, T=256, H=2, HV=4), False, 1, torch.float16),     # dense sequences, grouped value heads
 ])
-def test_forward_pass_forms_t_itself(emulated, monkeypatch, shape, h0, pieces, dtype):
+def test_forward_pass_forms_t_itself(emulated, wy_launches, shape, h0, pieces, dtype):
     """The no-grad forward with the Gluon pass forming each chunk's T (override gluon_fused_t; FUSED_T): no wy
     launch, o and the final state against the pass fed by the wy stage (T by another product order: a rounding
     apart, as the Gluon and Triton passes are) and float64, on NaN-poisoned buffers; the emulator's race checks
@@ -479,21 +479,15 @@ def test_forward_pass_forms_t_itself(emulated, monkeypatch, shape, h0, pieces, d
     module, launches = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=53, K=128, V=128, h0=h0, **shape)
-    wy_launches = []
-
-    class Counting(dict):
-        def __getitem__(self, BT):
-            wy_launches.append(BT)
-            return dict.__getitem__(self, BT)
-    monkeypatch.setattr(module, "_WY_FAST", Counting(module._WY_FAST))
+    wy = wy_launches(module)
     outputs = {}
     for fused in (True, False):
-        wy_launches.clear()
+        wy.clear()
         launches["_state_output_gluon"].clear()
         with _switched(True, pieces, gluon_fused_t=fused):
             outputs[fused] = call(module, spec, inputs, output_final_state=True)
         assert launches["_state_output_gluon"] == [pieces * shape["B"]]
-        assert len(wy_launches) == (0 if fused else 1)
+        assert len(wy) == (0 if fused else 1)
     (o, ht), (o_wy, ht_wy) = outputs[True], outputs[False]
     assert not o.isnan().any() and not ht.isnan().any()
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)

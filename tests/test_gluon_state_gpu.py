@@ -65,26 +65,20 @@ def test_gluon_pass_is_the_triton_pass(counted, dtype, shape, h0, pieces):
     (dict(B=1, T=8192, H=2, HV=4), True, 4),     # one long sequence in pieces: T formed for the walks too
     (dict(B=3, T=2048, H=4, HV=8), False, 1),    # dense sequences, grouped value heads
 ])
-def test_gluon_pass_forming_t_itself(counted, monkeypatch, dtype, shape, h0, pieces):
+def test_gluon_pass_forming_t_itself(counted, wy_launches, dtype, shape, h0, pieces):
     """FUSED_T (override gluon_fused_t): no wy launch; o and the final state against the pass fed by the wy stage
     (T by another product order: a rounding apart) and as close to float64 (5% slack), NaN-poisoned buffers."""
     module, launches = counted
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=dtype, device="cuda", seed=24, K=128, V=128, h0=h0, **shape)
-    wy_launches = []
-
-    class Counting(dict):
-        def __getitem__(self, BT):
-            wy_launches.append(BT)
-            return dict.__getitem__(self, BT)
-    monkeypatch.setattr(module, "_WY_FAST", Counting(module._WY_FAST))
+    wy = wy_launches(module)
     outputs = {}
     for fused in (True, False):
-        wy_launches.clear()
+        wy.clear()
         with override(NAME, "gluon_fused_t", value=fused), override(NAME, "state_pieces", value=pieces), \
                 poisoned_memory():
             outputs[fused] = call(module, spec, inputs, output_final_state=True)
-        assert len(wy_launches) == (0 if fused else 1)
+        assert len(wy) == (0 if fused else 1)
     assert launches == [pieces * shape["B"]] * 2
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     for got, got_wy, ref in zip(outputs[True], outputs[False], (o_ref, ht_ref)):
