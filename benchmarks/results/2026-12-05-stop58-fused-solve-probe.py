@@ -1,6 +1,6 @@
 """Probe (stop 58): can the forward pass's scores partition also do the wy stage's work for each chunk?
 
-Builds three copies of generated/gated_delta_rule.py into variant_tmp/ (a probe, never landed):
+Builds three copies of fc6e5d8's generated/gated_delta_rule.py into variant_tmp/ (a probe, never landed):
 - gdr_p208.py: the pass as it is (registers 208 / 88 / 208), the probe off: the control;
 - gdr_p176.py: the no-grad pass with the register split a fused solve would need (chains 176, scores 152), probe off;
 - gdr_psolve.py: that split, and the scores partition forms each chunk's K K^T, A and T = (I + A)^-1 by stop 52's
@@ -13,9 +13,12 @@ and T's round trip gone) is worth building; the difference is what the solve cos
         --modes fwd --profile --profile-rounds 3 --cases "1,32768,32,32 4,8192,16,32"
 """
 import os
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-src = open(os.path.join(ROOT, "generated/gated_delta_rule.py")).read()
+# the rendering the probe was written against (stop 57's head; the pass forming T came after it)
+src = subprocess.run(["git", "show", "fc6e5d8:generated/gated_delta_rule.py"], cwd=ROOT, check=True,
+                     capture_output=True, text=True).stdout
 proto = open(os.path.join(ROOT, "benchmarks/results/2026-12-04-stop52-wy-gluon-prototype.py")).read()
 helpers = proto[proto.index("@gluon_jit\ndef _wy_stage"):proto.index("@gluon_jit\ndef _wy_fwd_gluon_kernel")]
 
