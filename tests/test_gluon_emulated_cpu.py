@@ -470,6 +470,7 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
 @pytest.mark.parametrize("shape, h0, pieces, dtype", [
     (dict(B=1, T=512, H=1, HV=2), True, 4, torch.bfloat16),     # pieces: T formed for the walks' chunks too
     (dict(B=2, T=256, H=2, HV=4), False, 1, torch.float16),     # dense sequences, grouped value heads
+    (dict(B=1, T=256, H=2, HV=2), True, 2, torch.bfloat16),     # one value head per query head
 ])
 def test_forward_pass_forms_t_itself(emulated, wy_launches, shape, h0, pieces, dtype):
     """The no-grad forward with the Gluon pass forming each chunk's T (override gluon_fused_t; FUSED_T): no wy
