@@ -568,3 +568,31 @@ def test_the_pass_solve_keeps_the_wy_stages_range_guard(emulated, monkeypatch):
     t = torch.full((BT, BT), float("nan"))
     _inverse_kernel[(1,)](torch.where(lower, 1.9, 0.), t, BT=BT)
     assert torch.isfinite(t).all()
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=2, T=256, H=2, HV=4), 1),            # grouped value heads: the pass forms T and sends it on
+    (dict(B=1, T=256, H=2, HV=2), 1),            # one value head per query head
+    (dict(B=1, T=512, H=1, HV=2), 2),            # pieces: their walk reads T first, so the wy stage runs
+])
+def test_training_step_with_the_pass_forming_t(emulated, wy_launches, shape, pieces):
+    """A training step with override gluon_fused_t: unpieced, the forward pass forms T and sends it to the tensor
+    the backward keeps (no wy launch in the whole step); every gradient within bf16 roundings (2^-8) of the step
+    fed by the wy stage and as close to float64 (5% slack), dh0 included, on NaN-poisoned buffers."""
+    module, _ = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=61, K=128, V=128, h0=True, **shape)
+    wy = wy_launches(module)
+    grads = {}
+    for fused in (True, False):
+        wy.clear()
+        with _switched(True, pieces, gluon_fused_t=fused):
+            grads[fused], cotangents = _forward_backward(module, spec, inputs, seed=62)
+        assert len(wy) == (0 if fused and pieces == 1 else 1)
+    _, _, want = reference_gradients(spec, inputs, cotangents)
+    assert "initial_state" in want
+    for name in want:
+        assert not grads[True][name].isnan().any(), name
+        assert rel_rmse(grads[True][name], grads[False][name]) <= 2 ** -8, name
+        mine, theirs = rel_rmse(grads[True][name], want[name]), rel_rmse(grads[False][name], want[name])
+        assert mine <= BARS.get(name, 1.0) and mine <= 1.05 * theirs, (name, mine, theirs)

@@ -143,6 +143,29 @@ def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
     assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(o, o_triton) <= 1e-3
 
 
+def test_training_step_with_the_pass_forming_t(counted, wy_launches):
+    """A training step with override gluon_fused_t at dense sequences: the forward pass forms T and sends it on to
+    the backward (no wy launch in the step); every gradient within bf16 roundings (2^-8) of the step fed by the wy
+    stage, dh0 included, NaN-poisoned buffers."""
+    module, _ = counted
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, B=3, T=2048, H=4, HV=8, K=128, V=128,
+                         h0=True)
+    wy = wy_launches(module)
+    results = {}
+    for fused in (True, False):
+        wy.clear()
+        with override(NAME, "gluon_fused_t", value=fused), override(NAME, "state_pieces", value=1), \
+                poisoned_memory():
+            results[fused] = _forward_backward(module, spec, inputs, seed=28)
+        assert len(wy) == (0 if fused else 1)
+    (o, ht, grads), (o_wy, ht_wy, grads_wy) = results[True], results[False]
+    assert "initial_state" in grads
+    for name in grads:
+        assert not grads[name].isnan().any() and rel_rmse(grads[name], grads_wy[name]) <= 2 ** -8, name
+    assert rel_rmse(o, o_wy) <= 2 ** -9 and rel_rmse(ht, ht_wy) <= 1e-3
+
+
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces (their walks in the Gluon pass)
     (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences

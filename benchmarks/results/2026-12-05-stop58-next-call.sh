@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Stop 58's prepared device calls (two, each under the 600 s a call may run; every result goes to $OUT as measured):
+# Stop 58's prepared device calls (three, each under the 600 s a call may run; every result goes to $OUT as measured):
 #   part 1: the fused-solve probe and the pass forming T (override gluon_fused_t) against the pass fed by the wy stage;
-#   part 2: the GPU tests of the Gluon forward pass, then the forward rows beside FlashQLA with the switch on.
+#   part 2: the GPU tests of the Gluon forward pass, then the forward rows beside FlashQLA with the switch on;
+#   part 3: training steps with the switch on and off (the unpieced rows).
 #   run: bash .anchors/install.sh > $OUT/install.log 2>&1; export PYTHONPATH=/tmp/anchors:$PWD PYTHONUNBUFFERED=1;
 #        bash benchmarks/results/2026-12-05-stop58-next-call.sh 1      (carry: [".anchors", "variant_tmp"])
 set -u
@@ -20,6 +21,12 @@ if [ "$PART" = 1 ]; then
         --switches "gluon_fused_t=1" --modes fwd --profile --profile-rounds 3 \
         --cases "1,32768,32,32 1,131072,16,32 4,8192,16,32" --out "$OUT/fused-t-ab.jsonl" > "$OUT/fused-t-ab.log" 2>&1
     grep rounds "$OUT/fused-t-ab.jsonl" | cut -c1-300
+elif [ "$PART" = 3 ]; then
+    # a forward for a backward with the pass forming T (unpieced rows only: a pieces' walk reads T first)
+    timeout 480 python benchmarks/module_ab.py --modules generated/gated_delta_rule.py --switches "gluon_fused_t=1" \
+        --modes fwd+bwd --profile --profile-rounds 3 --cases "4,8192,16,32 8,2048,16,16" \
+        --out "$OUT/fused-t-train-ab.jsonl" > "$OUT/fused-t-train-ab.log" 2>&1
+    grep rounds "$OUT/fused-t-train-ab.jsonl" | cut -c1-300
 else
     timeout 200 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k "forming_t or is_the_triton_pass" \
         > "$OUT/gpu-tests.log" 2>&1
