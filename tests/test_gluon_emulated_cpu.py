@@ -508,9 +508,10 @@ def test_forward_pass_forms_t_only_where_asked_and_in_float16():
         assert not gluon.fused_t_usable(NAME, torch.float32, torch.float32)
 
 
-def test_forward_pass_solves_a_chunk_past_float16s_range_at_tf32(emulated):
+def test_forward_pass_solves_a_chunk_past_float16s_range(emulated):
     """Keys of norm 1.4 around one direction and beta near 1 put |A_ij| up to ~1.6 in every chunk: there the wy
-    stage and the pass (FUSED_T) both solve at tf32. An ill-conditioned chunk either way: o and the final state
+    stage solves at tf32 and the pass (FUSED_T) on range-scaled float16 operands. An ill-conditioned chunk either
+    way: o and the final state
     against float64 within twice the wy stage's error (stop 58, emulated: the pass 0.22 / 0.046, the wy stage
     0.46 / 0.048)."""
     module, _ = emulated
@@ -551,9 +552,9 @@ _SOLVE = None
 def test_the_pass_solve_keeps_the_wy_stages_range_guard(emulated, monkeypatch):
     """FUSED_T's solve guards its range as the wy stage does: a random strictly lower A within 1 solves on float16
     operands, T within 10-bit rounding of float64's inverse; A_ij = 1.9 below the diagonal (beta near 2 over
-    repeated keys) would overflow float16 in the product form's powers (~1.9^8 C(15, 8)), and solves at tf32
-    instead: finite, though the product form's cancellation leaves it far from the inverse there, as in the wy
-    stage's tf32 path."""
+    repeated keys) would overflow float16 in the product form's powers (~1.9^8 C(15, 8)), and solves on operands
+    scaled into float16's range instead: finite, though the product form's cancellation leaves it far from the
+    inverse there, as in the wy stage's tf32 path."""
     module, _ = emulated
     monkeypatch.setitem(globals(), "_SOLVE", module._t_guarded_inverse)
     BT = 64
