@@ -574,22 +574,30 @@ def test_the_pass_solve_keeps_the_wy_stages_range_guard(emulated, monkeypatch):
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=2, T=256, H=2, HV=4), 1),            # grouped value heads: the pass forms T and sends it on
     (dict(B=1, T=256, H=2, HV=2), 1),            # one value head per query head
-    (dict(B=1, T=512, H=1, HV=2), 2),            # pieces: their walk reads T first, so the wy stage runs
+    (dict(B=1, T=512, H=1, HV=2), 2),            # pieces: their walk is the Gluon pass's, alone, before the pass
+    (dict(B=2, T=512, H=1, HV=2), 4),            # ... walks from the second sequence's start and past a piece
 ])
-def test_training_step_with_the_pass_forming_t(emulated, wy_launches, shape, pieces):
-    """A training step with override gluon_fused_t: unpieced, the forward pass forms T and sends it to the tensor
-    the backward keeps (no wy launch in the whole step); every gradient within bf16 roundings (2^-8) of the step
-    fed by the wy stage and as close to float64 (5% slack), dh0 included, on NaN-poisoned buffers."""
-    module, _ = emulated
+def test_training_step_with_the_pass_forming_t(emulated, wy_launches, count_launches, shape, pieces):
+    """A training step with override gluon_fused_t: the forward pass forms T and sends it to the tensor the
+    backward keeps (no wy launch in the whole step; in pieces the walk to their start states is a Gluon launch of
+    the pass's walk alone, not the Triton walk, which would read T); every gradient within bf16 roundings (2^-8)
+    of the step fed by the wy stage and as close to float64 (5% slack), dh0 included, on NaN-poisoned buffers."""
+    module, launches = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=61, K=128, V=128, h0=True, **shape)
     wy = wy_launches(module)
+    triton_pass = count_launches(module, "_state_fwd_fast")
     grads = {}
     for fused in (True, False):
         wy.clear()
+        launches["_state_output_gluon"].clear()
+        triton_pass.count = 0
         with _switched(True, pieces, gluon_fused_t=fused):
             grads[fused], cotangents = _forward_backward(module, spec, inputs, seed=62)
-        assert len(wy) == (0 if fused and pieces == 1 else 1)
+        n = pieces * shape["B"]
+        assert len(wy) == (0 if fused else 1)
+        assert launches["_state_output_gluon"] == ([n, n] if fused and pieces > 1 else [n])
+        assert triton_pass.count == (1 if pieces > 1 and not fused else 0)       # the Triton walk
     _, _, want = reference_gradients(spec, inputs, cotangents)
     assert "initial_state" in want
     for name in want:

@@ -143,22 +143,28 @@ def test_training_forward_through_the_gluon_pass(counted, shape, pieces):
     assert rel_rmse(o, o_ref) <= TOL[torch.bfloat16] and rel_rmse(o, o_triton) <= 1e-3
 
 
-def test_training_step_with_the_pass_forming_t(counted, wy_launches):
-    """A training step with override gluon_fused_t at dense sequences: the forward pass forms T and sends it on to
-    the backward (no wy launch in the step); every gradient within bf16 roundings (2^-8) of the step fed by the wy
-    stage, dh0 included, NaN-poisoned buffers."""
-    module, _ = counted
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
+    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces: the walk is a Gluon launch first
+])
+def test_training_step_with_the_pass_forming_t(counted, wy_launches, shape, pieces):
+    """A training step with override gluon_fused_t: the forward pass forms T and sends it on to the backward (no wy
+    launch in the step; in pieces the walk to their start states is the Gluon pass's walk alone); every gradient
+    within bf16 roundings (2^-8) of the step fed by the wy stage, dh0 included, NaN-poisoned buffers."""
+    module, launches = counted
     spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, B=3, T=2048, H=4, HV=8, K=128, V=128,
-                         h0=True)
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=27, K=128, V=128, h0=True, **shape)
     wy = wy_launches(module)
     results = {}
     for fused in (True, False):
         wy.clear()
-        with override(NAME, "gluon_fused_t", value=fused), override(NAME, "state_pieces", value=1), \
+        launches.clear()
+        with override(NAME, "gluon_fused_t", value=fused), override(NAME, "state_pieces", value=pieces), \
                 poisoned_memory():
             results[fused] = _forward_backward(module, spec, inputs, seed=28)
         assert len(wy) == (0 if fused else 1)
+        n = pieces * shape["B"]
+        assert launches == ([n, n] if fused and pieces > 1 else [n])
     (o, ht, grads), (o_wy, ht_wy, grads_wy) = results[True], results[False]
     assert "initial_state" in grads
     for name in grads:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Stop 59's prepared device calls (four, each under the 600 s a call may run; every result goes to $OUT as measured):
+#   part 1: the fused-solve probe and the pass forming T (override gluon_fused_t) against the pass fed by the wy stage;
+#   part 2: the GPU tests of the Gluon forward pass, then the forward rows beside FlashQLA with the switch on;
+#   part 3: training steps with the switch on and off (the unpieced rows); part 4: the pieced row (1,32768,32,32),
+#   whose walk is then the Gluon pass's own launch.
+#   run: bash .anchors/install.sh > $OUT/install.log 2>&1; export PYTHONPATH=/tmp/anchors:$PWD PYTHONUNBUFFERED=1;
+#        bash benchmarks/results/2026-12-05-stop59-next-call.sh 1      (carry: [".anchors", "variant_tmp"])
+set -u
+PART=${1:-1}
+export OUT=${OUT:-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv > "$OUT/gpu.txt"
+if [ "$PART" = 1 ]; then
+    python benchmarks/results/2026-12-05-stop58-fused-solve-probe.py > "$OUT/probe-build.log" 2>&1
+    # a second register split for the fused pass beside the default (176 / 152); its pass forms T without the
+    # override (module_ab's switch rows apply to the last module only)
+    sed -e 's/^GLUON_FUSED_T_REGISTERS = dict(CHAIN_REGS=176, SCORES_REGS=152,/GLUON_FUSED_T_REGISTERS = dict(CHAIN_REGS=184, SCORES_REGS=136,/' \
+        -e 's/and fused_t_usable(SPEC.name, k.dtype, t_dtype))/and solve_precision(k.dtype, t_dtype) == "fp16")/' \
+        generated/gated_delta_rule.py > variant_tmp/gdr_ft184.py
+    timeout 480 python benchmarks/module_ab.py \
+        --modules "variant_tmp/gdr_p208.py variant_tmp/gdr_p176.py variant_tmp/gdr_psolve.py variant_tmp/gdr_ft184.py generated/gated_delta_rule.py" \
+        --switches "gluon_fused_t=1" --modes fwd --profile --profile-rounds 3 \
+        --cases "1,32768,32,32 1,131072,16,32 4,8192,16,32" --out "$OUT/fused-t-ab.jsonl" > "$OUT/fused-t-ab.log" 2>&1
+    grep rounds "$OUT/fused-t-ab.jsonl" | cut -c1-300
+elif [ "$PART" = 3 ]; then
+    # a forward for a backward with the pass forming T (no wy launch in the step)
+    timeout 480 python benchmarks/module_ab.py --modules generated/gated_delta_rule.py --switches "gluon_fused_t=1" \
+        --modes fwd+bwd --profile --profile-rounds 3 --cases "4,8192,16,32 8,2048,16,16" \
+        --out "$OUT/fused-t-train-ab.jsonl" > "$OUT/fused-t-train-ab.log" 2>&1
+    grep rounds "$OUT/fused-t-train-ab.jsonl" | cut -c1-300
+elif [ "$PART" = 4 ]; then
+    # the pieced training row: the pieces' walk is the Gluon pass's walk alone (WALK_ONLY), then the pass sends T on
+    timeout 480 python benchmarks/module_ab.py --modules generated/gated_delta_rule.py --switches "gluon_fused_t=1" \
+        --modes fwd+bwd --profile --profile-rounds 3 --cases "1,32768,32,32" \
+        --out "$OUT/fused-t-train-pieces-ab.jsonl" > "$OUT/fused-t-train-pieces-ab.log" 2>&1
+    grep rounds "$OUT/fused-t-train-pieces-ab.jsonl" | cut -c1-300
+else
+    timeout 200 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k "forming_t or is_the_triton_pass" \
+        > "$OUT/gpu-tests.log" 2>&1
+    tail -3 "$OUT/gpu-tests.log"
+    timeout 330 python - > "$OUT/bench.log" 2>&1 <<'PY'
+import os
+from gdngen.cli import main
+from gdngen.runtime import override
+with override("gated_delta_rule", "gluon_fused_t", value=True):
+    main(["bench", "gated_delta_rule", "--cases", "1,32768,32,32 4,8192,16,32 1,131072,16,32",
+          "--impls", "gdngen,flashqla", "--modes", "fwd", "--skip-check", "--time-budget", "300",
+          "--out", os.path.join(os.environ["OUT"], "bench-fused-t.json")])
+PY
+    tail -12 "$OUT/bench.log"
+fi
