@@ -554,7 +554,8 @@ def test_the_pass_solve_keeps_the_wy_stages_range_guard(emulated, monkeypatch):
     operands, T within 10-bit rounding of float64's inverse; A_ij = 1.9 below the diagonal (beta near 2 over
     repeated keys) would overflow float16 in the product form's powers (~1.9^8 C(15, 8)), and solves on operands
     scaled into float16's range instead: finite, though the product form's cancellation leaves it far from the
-    inverse there, as in the wy stage's tf32 path."""
+    inverse there, as in the wy stage's tf32 path; where that inverse is well conditioned, the scaled path finds it
+    as closely as the plain one."""
     module, _ = emulated
     monkeypatch.setitem(globals(), "_SOLVE", module._t_guarded_inverse)
     BT = 64
@@ -569,6 +570,13 @@ def test_the_pass_solve_keeps_the_wy_stages_range_guard(emulated, monkeypatch):
     t = torch.full((BT, BT), float("nan"))
     _inverse_kernel[(1,)](torch.where(lower, 1.9, 0.), t, BT=BT)
     assert torch.isfinite(t).all()
+    # the scaled path where the inverse is well conditioned: small entries and one of 1.5 in a diagonal block
+    A = torch.where(lower, 0.3 * (2 * torch.rand(BT, BT, generator=gen) - 1), 0.).double()
+    A[21, 20] = 1.5
+    want = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + A)
+    t = torch.full((BT, BT), float("nan"))
+    _inverse_kernel[(1,)](A.float(), t, BT=BT)
+    assert ((t.double() - want).norm() / want.norm()).item() <= 1e-2
 
 
 @pytest.mark.parametrize("shape, pieces", [
