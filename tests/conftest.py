@@ -5,7 +5,7 @@ import sys
 
 # The interpreter's tl.dot is numpy's matmul, whose OpenBLAS picks its kernels by CPU: the AVX-512 ones sum in another
 # order than the AVX2 ones, and the ill-conditioned chunks some tests pose (beta 1.9 over repeated keys) turn that
-# into errors 5x apart (test_solve_precision_cpu: 5.8e-3 against 2.5e-2 in float32). One kernel family on every
+# into errors 3x apart (test_solve_precision_cpu, kda in float16: 6.2e-3 against 1.9e-2). One kernel family on every
 # x86-64 machine keeps the CPU tier's numbers the same from machine to machine. Set before numpy loads OpenBLAS.
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
