@@ -4,7 +4,9 @@
 #   part 1: the fused-solve probe and the pass forming T (override gluon_fused_t) against the pass fed by the wy stage;
 #   part 2: the GPU tests of the Gluon forward pass, then the forward rows beside FlashQLA with the switch on;
 #   part 3: training steps with the switch on and off (the unpieced rows); part 4: the pieced row (1,32768,32,32),
-#   whose walk is then the Gluon pass's own launch; part 5: the fused pass's register splits.
+#   whose walk is then the Gluon pass's own launch; part 5: the fused pass's register splits; part 6 (~1 min): the
+#   training step's host time and its cProfile on the GPU's host (stop 59's CPU figure: ~1.6 ms a step at
+#   (1,32768,32,32) with the launches no-op, against ~2.5 ms of kernels).
 #   run: bash .anchors/install.sh > $OUT/install.log 2>&1; export PYTHONPATH=/tmp/anchors:$PWD PYTHONUNBUFFERED=1;
 #        bash benchmarks/results/2026-12-05-stop59-next-call.sh 1      (carry: [".anchors", "variant_tmp"])
 #   before part 1, here (it reads fc6e5d8 with git): python benchmarks/results/2026-12-05-stop58-fused-solve-probe.py
@@ -63,4 +65,9 @@ elif [ "$PART" = 5 ]; then
     fused_variant 176 152; fused_variant 184 144; fused_variant 192 128
     ab fused-t-splits --modes fwd --cases "1,32768,32,32 4,8192,16,32" \
         --modules "variant_tmp/gdr_ft176.py variant_tmp/gdr_ft184.py variant_tmp/gdr_ft192.py"
+elif [ "$PART" = 6 ]; then
+    for shape in 1,32768,32,32 4,8192,16,32; do
+        timeout 150 python benchmarks/host_profile.py --shape $shape --calls 20 --top 30 > "$OUT/host-profile-$shape.log" 2>&1
+        grep "per call" "$OUT/host-profile-$shape.log"
+    done
 fi
