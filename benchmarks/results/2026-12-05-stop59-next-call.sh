@@ -6,7 +6,8 @@
 #   part 3: training steps with the switch on and off (the unpieced rows); part 4: the pieced row (1,32768,32,32),
 #   whose walk is then the Gluon pass's own launch; part 5: the fused pass's register splits; part 6 (~1 min): the
 #   training step's host time and its cProfile on the GPU's host (stop 59's CPU figure: ~1.6 ms a step at
-#   (1,32768,32,32) with the launches no-op, against ~2.5 ms of kernels).
+#   (1,32768,32,32) with the launches no-op, against ~2.5 ms of kernels); part 7 (~3 min): whether the
+#   (1,131072,16,32) pass's spread between windows is its value-head pairs losing their shared k and q reads.
 #   run: bash .anchors/install.sh > $OUT/install.log 2>&1; export PYTHONPATH=/tmp/anchors:$PWD PYTHONUNBUFFERED=1;
 #        bash benchmarks/results/2026-12-05-stop59-next-call.sh 1      (carry: [".anchors", "variant_tmp"])
 #   before part 1, here (it reads fc6e5d8 with git): python benchmarks/results/2026-12-05-stop58-fused-solve-probe.py
@@ -70,4 +71,7 @@ elif [ "$PART" = 6 ]; then
         timeout 150 python benchmarks/host_profile.py --shape $shape --calls 20 --top 30 > "$OUT/host-profile-$shape.log" 2>&1
         grep "per call" "$OUT/host-profile-$shape.log"
     done
+elif [ "$PART" = 7 ]; then
+    timeout 400 python benchmarks/results/2026-12-05-stop59-pair-probe.py --windows 8 > "$OUT/pair-probe.log" 2>&1
+    tail -3 "$OUT/pair-probe.log"
 fi
