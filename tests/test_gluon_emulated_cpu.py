@@ -614,3 +614,51 @@ def test_training_step_with_the_pass_forming_t(emulated, wy_launches, count_laun
         assert rel_rmse(grads[True][name], grads[False][name]) <= 2 ** -8, name
         mine, theirs = rel_rmse(grads[True][name], want[name]), rel_rmse(grads[False][name], want[name])
         assert mine <= BARS.get(name, 1.0) and mine <= 1.05 * theirs, (name, mine, theirs)
+
+
+def test_pair_pace_is_a_whole_number_of_chunks_for_value_head_pairs_only():
+    from gdngen.runtime import gluon
+    assert gluon.pair_pace(NAME, H=2, HV=4) == 0                        # off by default
+    with override(NAME, "gluon_pair_pace", value=2):
+        assert gluon.pair_pace(NAME, H=2, HV=4) == 2
+        assert gluon.pair_pace(NAME, H=2, HV=2) == 0                    # no pairs
+        assert gluon.pair_pace(NAME, H=1, HV=3) == 0                    # groups of three
+    for bad in (-1, 1.5, True, "2"):
+        with override(NAME, "gluon_pair_pace", value=bad), pytest.raises(ValueError, match="gluon_pair_pace"):
+            gluon.pair_pace(NAME, H=2, HV=4)
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=1, T=512, H=1, HV=2), 2),            # one pair, pieces (their walks paced by rows)
+    (dict(B=2, T=256, H=2, HV=4), 1),            # two pairs a sequence
+])
+def test_paced_pairs_compute_what_unpaced_ones_do(emulated, monkeypatch, shape, pieces):
+    """override gluon_pair_pace (PACE): the pass's programs of a value-head pair publish their progress and wait
+    for each other before loading a chunk; outputs bit for bit the unpaced pass's, no wait left unbounded (the
+    emulator runs the programs one after another, so a first program's partner never comes: its spin runs out and
+    turns pacing off), and each program's last published row is its last chunk but one (STAGES = 2)."""
+    module, _ = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=67, K=128, V=128, h0=True, **shape)
+    published = []
+    zeros = torch.zeros
+
+    def progress_zeros(*size, **kwargs):                # the pass's progress buffer, kept for the check below
+        x = zeros(*size, **kwargs)
+        if kwargs.get("dtype") == torch.int32:
+            published.append(x)
+        return x
+    outputs = {}
+    for pace in (0, 2):
+        published.clear()
+        with _switched(True, pieces, gluon_pair_pace=pace), monkeypatch.context() as patch:
+            patch.setattr(module.torch, "zeros", progress_zeros)
+            outputs[pace] = call(module, spec, inputs, output_final_state=True)
+        assert len(published) == (1 if pace else 0)
+    for paced, unpaced in zip(outputs[2], outputs[0]):
+        assert not paced.isnan().any() and torch.equal(paced, unpaced)
+    # each program (piece or sequence n, value head) published the row of every chunk it loaded ahead, in the
+    # [B * T] rows: the last is its last chunk's, eos - BT
+    length, HV = shape["T"] // pieces, shape["HV"]
+    ends = torch.arange(1, shape["B"] * pieces + 1, dtype=torch.int32) * length
+    assert torch.equal(published[0].view(-1, HV), (ends - 64)[:, None].expand(-1, HV))

@@ -7,7 +7,8 @@
 #   whose walk is then the Gluon pass's own launch; part 5: the fused pass's register splits; part 6 (~1 min): the
 #   training step's host time and its cProfile on the GPU's host (stop 59's CPU figure: ~1.6 ms a step at
 #   (1,32768,32,32) with the launches no-op, against ~2.5 ms of kernels); part 7 (~3 min): whether the
-#   (1,131072,16,32) pass's spread between windows is its value-head pairs losing their shared k and q reads.
+#   (1,131072,16,32) pass's spread between windows is its value-head pairs losing their shared k and q reads;
+#   part 8: the pairs paced (override gluon_pair_pace) against the pass as it is, if part 7 says they drift.
 #   run: bash .anchors/install.sh > $OUT/install.log 2>&1; export PYTHONPATH=/tmp/anchors:$PWD PYTHONUNBUFFERED=1;
 #        bash benchmarks/results/2026-12-05-stop59-next-call.sh 1      (carry: [".anchors", "variant_tmp"])
 #   before part 1, here (it reads fc6e5d8 with git): python benchmarks/results/2026-12-05-stop58-fused-solve-probe.py
@@ -39,7 +40,7 @@ if [ "$PART" = 1 ]; then
     ab fused-t-ab --modes fwd --switches "gluon_fused_t=1" --cases "1,32768,32,32 1,131072,16,32 4,8192,16,32" \
         --modules "variant_tmp/gdr_p208.py variant_tmp/gdr_p176.py variant_tmp/gdr_psolve.py variant_tmp/gdr_ft184.py generated/gated_delta_rule.py"
 elif [ "$PART" = 2 ]; then
-    timeout 200 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k "forming_t or is_the_triton_pass" \
+    timeout 200 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k "forming_t or is_the_triton_pass or paced_pairs" \
         > "$OUT/gpu-tests.log" 2>&1
     tail -3 "$OUT/gpu-tests.log"
     timeout 330 python - > "$OUT/bench.log" 2>&1 <<'PY'
@@ -74,4 +75,7 @@ elif [ "$PART" = 6 ]; then
 elif [ "$PART" = 7 ]; then
     timeout 400 python benchmarks/results/2026-12-05-stop59-pair-probe.py --windows 8 > "$OUT/pair-probe.log" 2>&1
     tail -3 "$OUT/pair-probe.log"
+elif [ "$PART" = 8 ]; then
+    ab pair-pace-ab --modes fwd --switches "gluon_pair_pace=2 gluon_pair_pace=6" \
+        --cases "1,131072,16,32 4,8192,16,32" --modules generated/gated_delta_rule.py
 fi

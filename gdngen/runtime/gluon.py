@@ -179,12 +179,27 @@ def reverse_wy_enabled(spec_name: str) -> bool:
     return False if forced is None else bool(forced["value"])
 
 
+def pair_pace(spec_name: str, *, H: int, HV: int) -> int:
+    """How many chunks apart the forward Gluon pass's two programs of a value-head pair (HV = 2 H: heads 2h and
+    2h + 1 read the same k and q tiles) may run before the one ahead waits for the other (stages/state_gluon.py.j2,
+    PACE), so that L2 still holds the tiles when the second reads them; 0: no pacing. Stop 59's hypothesis for the
+    (1,131072,16,32) pass's spread between windows is pairs drifting apart over their 512 chunks. Off until a GPU
+    measures it: ``override(spec, "gluon_pair_pace", value=2)``."""
+    forced = _OVERRIDES.get((spec_name, "gluon_pair_pace"))
+    if forced is None or HV != 2 * H:
+        return 0
+    pace = forced["value"]
+    if isinstance(pace, bool) or not isinstance(pace, int) or pace < 0:
+        raise ValueError(f"gluon_pair_pace: a whole number of chunks >= 0, got {pace!r}")
+    return pace
+
+
 def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -> bool:
     """Whether the forward's Gluon pass forms each chunk's T = (I + A)^-1 itself (stages/state_gluon.py.j2,
     FUSED_T: its scores partition takes K K^T from the key tile it loads anyway and solves on tensor cores), so
     that the wy stage and its read of k go, and in a forward that keeps no states T's round trip through memory
-    too (a forward for a backward sends T on for it, unless its pieces' walk needs T first: then the wy stage
-    runs). Only where the wy stage would solve in "fp16" (T in float16: gdngen.runtime.launch.solve_precision); a
+    too (a forward for a backward sends T on for it; in pieces, their walk is a Gluon launch of the pass's walk
+    alone, as the Triton walk would read T). Only where the wy stage would solve in "fp16" (T in float16: gdngen.runtime.launch.solve_precision); a
     chunk past that precision's range (an |A_ij| over 1), which the wy stage solves in tf32, has its operands scaled
     into float16's range instead. Off by default until a GPU measures it:
     ``override(spec, "gluon_fused_t", value=True)``."""
