@@ -199,9 +199,9 @@ def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -
     FUSED_T: its scores partition takes K K^T from the key tile it loads anyway and solves on tensor cores), so
     that the wy stage and its read of k go, and in a forward that keeps no states T's round trip through memory
     too (a forward for a backward sends T on for it; in pieces, their walk is a Gluon launch of the pass's walk
-    alone, as the Triton walk would read T). Only where the wy stage would solve in "fp16" (T in float16: gdngen.runtime.launch.solve_precision); a
-    chunk past that precision's range (an |A_ij| over 1), which the wy stage solves in tf32, has its operands scaled
-    into float16's range instead. Off by default until a GPU measures it:
+    alone, as the Triton walk would read T). Only where the wy stage would solve in "fp16" (T in float16:
+    gdngen.runtime.launch.solve_precision); a chunk past that precision's range (an |A_ij| over 1), which the wy
+    stage solves in tf32, has its operands scaled into float16's range instead. Off by default until a GPU measures it:
     ``override(spec, "gluon_fused_t", value=True)``."""
     forced = _OVERRIDES.get((spec_name, "gluon_fused_t"))
     if forced is None or not forced["value"]:
