@@ -87,26 +87,6 @@ def test_gluon_pass_forming_t_itself(counted, wy_launches, dtype, shape, h0, pie
         assert rel_rmse(got, ref) <= min(TOL[dtype], 1.05 * rel_rmse(got_wy, ref))
 
 
-@pytest.mark.parametrize("shape, pieces", [
-    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces
-    (dict(B=3, T=2048, H=4, HV=8), 1),           # dense sequences
-])
-def test_paced_pairs_are_the_unpaced_pass(counted, shape, pieces):
-    """override gluon_pair_pace (PACE): a value-head pair's programs waiting for each other compute what they
-    compute unpaced, bit for bit."""
-    module, launches = counted
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=29, K=128, V=128, h0=True, **shape)
-    outputs = {}
-    for pace in (0, 2):
-        with override(NAME, "gluon_pair_pace", value=pace), override(NAME, "state_pieces", value=pieces), \
-                poisoned_memory():
-            outputs[pace] = call(module, spec, inputs, output_final_state=True)
-    assert launches == [pieces * shape["B"]] * 2
-    for paced, unpaced in zip(outputs[2], outputs[0]):
-        assert not paced.isnan().any() and torch.equal(paced, unpaced)
-
-
 def test_default_pieces_and_no_final_state(counted):
     """The default piece count (one program per SM) at a few-head long sequence, no final state asked."""
     module, launches = counted

@@ -179,21 +179,6 @@ def reverse_wy_enabled(spec_name: str) -> bool:
     return False if forced is None else bool(forced["value"])
 
 
-def pair_pace(spec_name: str, *, H: int, HV: int) -> int:
-    """How many chunks apart the forward Gluon pass's two programs of a value-head pair (HV = 2 H: heads 2h and
-    2h + 1 read the same k and q tiles) may run before the one ahead waits for the other (stages/state_gluon.py.j2,
-    PACE), so that L2 still holds the tiles when the second reads them; 0: no pacing. Stop 59's hypothesis for the
-    (1,131072,16,32) pass's spread between windows is pairs drifting apart over their 512 chunks. Off until a GPU
-    measures it: ``override(spec, "gluon_pair_pace", value=2)``."""
-    forced = _OVERRIDES.get((spec_name, "gluon_pair_pace"))
-    if forced is None or HV != 2 * H:
-        return 0
-    pace = forced["value"]
-    if isinstance(pace, bool) or not isinstance(pace, int) or pace < 0:
-        raise ValueError(f"gluon_pair_pace: a whole number of chunks >= 0, got {pace!r}")
-    return pace
-
-
 def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -> bool:
     """Whether the forward's Gluon pass forms each chunk's T = (I + A)^-1 itself (stages/state_gluon.py.j2,
     FUSED_T: its scores partition takes K K^T from the key tile it loads anyway and solves on tensor cores), so
