@@ -186,7 +186,9 @@ def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -
     too (a forward for a backward sends T on for it; in pieces, their walk is a Gluon launch of the pass's walk
     alone, as the Triton walk would read T). Only where the wy stage would solve in "fp16" (T in float16:
     gdngen.runtime.launch.solve_precision); a chunk past that precision's range (an |A_ij| over 1), which the wy
-    stage solves in tf32, has its operands scaled into float16's range instead. Off by default until a GPU measures it:
+    stage solves in tf32, has its operands scaled into float16's range instead. Off by default, since measured it loses
+    (stop 60, H100: the pass 353 -> 802 us at (4,8192,16,32) against the wy stage's 121 it saves, because the chains'
+    176 registers that the solve's partition leaves them slow the pass 1.7-2.1x on their own):
     ``override(spec, "gluon_fused_t", value=True)``."""
     forced = _OVERRIDES.get((spec_name, "gluon_fused_t"))
     if forced is None or not forced["value"]:
