@@ -9,6 +9,8 @@
 #   (1,32768,32,32) with the launches no-op, against ~2.5 ms of kernels); part 7 (~3 min): whether the
 #   (1,131072,16,32) pass's spread between windows is its value-head pairs losing their shared k and q reads;
 #   part 8: the pairs paced (override gluon_pair_pace) against the pass as it is, if part 7 says they drift.
+# Stop 60 ran parts 1 (without gdr_ft184, whose compile killed the device's ptxas), 7 and 8 on an H100: FUSED_T and
+# pacing both lost (NOTES, stop 60). Pacing was removed at e83d5f1, so part 8 runs only at 8873a90 or before.
 #   run: bash .anchors/install.sh > $OUT/install.log 2>&1; export PYTHONPATH=/tmp/anchors:$PWD PYTHONUNBUFFERED=1;
 #        bash benchmarks/results/2026-12-05-stop59-next-call.sh 1      (carry: [".anchors", "variant_tmp"])
 #   before part 1, here (it reads fc6e5d8 with git): python benchmarks/results/2026-12-05-stop58-fused-solve-probe.py
