@@ -5,7 +5,8 @@ while (1,32768,32,32) reads within a few us of its sum on the H100.
 The profile (benchmarks/tuner_timing_check.kernel_times) runs the calls back to back; do_bench zeroes a 256 MB
 buffer before each call. So per case and implementation (gdngen, and FlashQLA if it imports), in one process:
 - `do_bench`: triton.testing.do_bench's quantiles 0.1 / 0.5 / 0.9 (warm-up 30 ms, 300 ms of calls);
-- `events_flush` / `events_noflush`: 40 calls timed by CUDA events, each after the 256 MB zeroing or not;
+- `events_flush` / `events_noflush`: 40 calls timed by CUDA events, each after the 256 MB zeroing or not, and
+  the host's time in each call;
 - `kernels_flush` / `kernels_noflush`: each kernel's device time per call (torch.profiler, 10 calls), the
   zeroing between calls or not (its own kernel left out).
 Every row carries the host clock, so the SM clock / power log that the caller samples alongside (nvidia-smi,
@@ -13,7 +14,9 @@ read only) lines up with it.
 
 Readings: a gap that is in events_flush and not in events_noflush is the flush's dirty L2 and cold caches;
 a gap in kernels_flush too is kernels running slower after it; a gap only between events and kernels is idle
-time between launches; slow calls that come together with a falling SM clock are power or heat.
+time between launches (a host time per call near the device's says the call waits for the GPU somewhere:
+`syncs` counts the synchronising torch calls of one call, torch.cuda.set_sync_debug_mode); slow calls that come
+together with a falling SM clock are power or heat.
 
     python benchmarks/results/2026-12-05-stop60-forward-gap-probe.py [--cases "1,131072,16,32 1,32768,32,32"]
 """
@@ -23,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,17 +58,21 @@ def kernel_times(call, flush, reps=10):
 
 
 def event_times(call, flush, reps=40):
-    """Milliseconds of each of ``reps`` calls between CUDA events, each after the zeroing or not."""
+    """Milliseconds of each of ``reps`` calls between CUDA events, each after the zeroing or not, and the host's
+    milliseconds in each call (near the device's when something in the call waits for the GPU)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    host = []
     for i in range(reps):
         if flush is not None:
             flush.zero_()
         starts[i].record()
+        begun = time.perf_counter()
         call()
+        host.append((time.perf_counter() - begun) * 1e3)
         ends[i].record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)], host
 
 
 def main():
@@ -101,12 +109,20 @@ def main():
             for _ in range(3):
                 call()
             torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                call()
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+            record(case=case, impl=name, what="syncs", count=len(syncs), first=syncs[:3])
             q10, q50, q90 = triton.testing.do_bench(call, warmup=30, rep=300, quantiles=[0.1, 0.5, 0.9])
             record(case=case, impl=name, what="do_bench", ms=[round(q10, 4), round(q50, 4), round(q90, 4)])
             for label, buffer in (("flush", flush), ("noflush", None)):
-                ms = event_times(call, buffer)
+                ms, host = event_times(call, buffer)
                 record(case=case, impl=name, what=f"events_{label}", ms_min=round(min(ms), 4),
                        ms_median=round(statistics.median(ms), 4), ms_max=round(max(ms), 4),
+                       host_ms_median=round(statistics.median(host), 4), host_ms_max=round(max(host), 4),
                        ms_each=[round(m, 3) for m in ms])
             for label, buffer in (("flush", flush), ("noflush", None)):
                 kernels = kernel_times(call, buffer)
