@@ -75,9 +75,10 @@ def main():
                     f.write(json.dumps(row) + "\n")
 
 
-def kernel_times(call, reps=20, grad=False):
+def kernel_times(call, reps=20, grad=False, before=None):
     """Per-kernel device us per call (torch.profiler) of a warmed-up call (under no_grad unless ``grad``:
-    a training step)."""
+    a training step). ``before``: run ahead of each profiled call (e.g. a cache flush); its kernels are in the
+    result too, under their own names."""
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
@@ -86,6 +87,8 @@ def kernel_times(call, reps=20, grad=False):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
+                if before is not None:
+                    before()
                 call()
             torch.cuda.synchronize()
     totals = defaultdict(float)

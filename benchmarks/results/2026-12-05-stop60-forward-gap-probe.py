@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,24 +36,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from benchmarks.fused_probe import inputs  # noqa: E402
-
-
-def kernel_times(call, flush, reps=10):
-    """Per-kernel device us per call, the zeroing kernel (if any) left out."""
-    from torch.profiler import ProfilerActivity, profile
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            if flush is not None:
-                flush.zero_()
-            call()
-        torch.cuda.synchronize()
-    totals = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and "fill" not in event.name.lower():
-            totals[event.name[:48]] += event.device_time / reps
-    return {name: round(us, 1) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+from benchmarks.tuner_timing_check import kernel_times  # noqa: E402
 
 
 def event_times(call, flush, reps=40):
@@ -125,7 +107,10 @@ def main():
                        host_ms_median=round(statistics.median(host), 4), host_ms_max=round(max(host), 4),
                        ms_each=[round(m, 3) for m in ms])
             for label, buffer in (("flush", flush), ("noflush", None)):
-                kernels = kernel_times(call, buffer)
+                # the zeroing's own fill kernel left out
+                kernels = {kernel[:48]: round(us, 1) for kernel, us in
+                           kernel_times(call, reps=10, before=buffer.zero_ if buffer is not None else None).items()
+                           if "fill" not in kernel.lower()}
                 record(case=case, impl=name, what=f"kernels_{label}", sum_us=round(sum(kernels.values()), 1),
                        kernels_us=kernels)
         del x
