@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +73,20 @@ def inputs(B, T, H, HV, K=128, V=128, seed=0, grad=False):
         for t in x.values():
             t.requires_grad_(True)
     return x
+
+
+def row_recorder(name: str):
+    """``record(**row)``: the row, stamped with the host clock (a clock log sampled beside it lines up), printed as
+    JSON and appended to ``$OUT/<name>`` (or ``./<name>``) at once, so a call cut at its time limit keeps the rows
+    so far."""
+    out = open(os.path.join(os.environ.get("OUT", "."), name), "a")
+
+    def record(**row):
+        row["host_time"] = round(time.time(), 3)
+        print(json.dumps(row), flush=True)
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+    return record
 
 
 def no_grad_forward_cases(op, cases: str):

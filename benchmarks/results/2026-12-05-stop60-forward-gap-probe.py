@@ -21,8 +21,6 @@ together with a falling SM clock are power or heat.
     python benchmarks/results/2026-12-05-stop60-forward-gap-probe.py [--cases "1,131072,16,32 1,32768,32,32"]
 """
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from benchmarks.fused_probe import inputs  # noqa: E402
+from benchmarks.fused_probe import inputs, row_recorder  # noqa: E402
 from benchmarks.tuner_timing_check import kernel_times  # noqa: E402
 
 
@@ -72,13 +70,7 @@ def main():
             impls["flashqla"] = lambda x: flash_qla(x["q"], x["k"], x["v"], x["g"], x["beta"])
         except Exception as exc:  # noqa: BLE001
             print(f"flashqla unavailable: {exc!r}"[:300])
-    out = open(os.path.join(os.environ.get("OUT", "."), "forward-gap.jsonl"), "a")
-
-    def record(**row):
-        row["host_time"] = round(time.time(), 3)
-        print(json.dumps(row), flush=True)
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+    record = row_recorder("forward-gap.jsonl")
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for case in args.cases.split():

@@ -15,11 +15,8 @@ off so each call launches with them. Per case and variant, rounds in alternating
     python benchmarks/results/2026-12-05-stop61-piece-skew-probe.py [--cases "1,131072,16,32 1,32768,32,32"]
 """
 import argparse
-import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from benchmarks.fused_probe import inputs  # noqa: E402
+from benchmarks.fused_probe import inputs, row_recorder  # noqa: E402
 from benchmarks.tuner_timing_check import kernel_times  # noqa: E402
 from gdngen.runtime import graphs, varlen  # noqa: E402
 
@@ -58,13 +55,7 @@ def main():
     args = parser.parse_args()
     from generated import gated_delta_rule as module
     graphs.set_enabled(False)
-    out = open(os.path.join(os.environ.get("OUT", "."), "piece-skew.jsonl"), "a")
-
-    def record(**row):
-        row["host_time"] = round(time.time(), 3)
-        print(json.dumps(row), flush=True)
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+    record = row_recorder("piece-skew.jsonl")
 
     for case in args.cases.split():
         B, T, H, HV = (int(n) for n in case.split(","))
