@@ -8,7 +8,9 @@ tokens/s against T per implementation is drawn from the rows by a small built-in
 (:func:`write_plot` on :mod:`gdngen.plot`; zlib only, no matplotlib).
 
 Row schema: ``{op, mode, impl, B, T, H, HV, K, V, dtype, ms, peak_mib}`` plus ``case``,
-``device``, ``tokens_per_s``, ``first_call_s``, ``floor_ms`` (GDN on an H200: the roofline floor of its mode) or ``error``.
+``device``, ``tokens_per_s``, ``first_call_s``, ``floor_ms`` (GDN on an H200: the roofline floor of its mode) or ``error``;
+on a GPU with ``nvidia-smi``, ``sm_mhz`` / ``sm_mhz_min`` / ``power_capped``: the SM clock while the row was timed
+(median, lowest) and the share of samples with the power cap holding it down (:class:`ClockLog`).
 Failed rows carry ``error`` and ``ms: null``.  On CPU (Triton interpreter) the timings only show
 that the code runs; peak memory is ``null`` there.
 """
@@ -17,8 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,8 +284,80 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure_row(fn: Callable, inputs: dict, mode: str, device: str, timer=measure_ms) -> dict:
-    """First call, peak memory of one step and the median time of ``fn`` in ``mode``."""
+class ClockLog:
+    """The GPU's SM clock and throttle reasons, sampled every ``period_ms`` by ``nvidia-smi`` (read only: it sets
+    nothing) in a process beside the benchmark, so a row can say what clock it was timed at.
+
+    Why: called back to back, the (1,131072,16,32) forward draws the H100's 700 W limit; its clock then falls to
+    1.55-1.75 GHz of 1.98 and do_bench reads 2.03 ms against 1.95 of kernels timed in a short burst
+    (benchmarks/NOTES.md, stop 61). Two rows timed at different clocks are not comparable.
+    Without ``nvidia-smi`` (CPU, CI) it samples nothing and :meth:`window` gives ``{}``.
+    """
+    POWER_CAP = 0x4      # clocks_throttle_reasons.active: the software power cap
+
+    def __init__(self, gpu: Optional[str] = None, period_ms: int = 50, clock=time.monotonic, command=None):
+        self.clock = clock
+        self.samples: list[tuple[float, float, int]] = []      # (clock(), SM MHz, throttle reasons)
+        self.command = command
+        if command is None and shutil.which("nvidia-smi"):
+            self.command = ["nvidia-smi", "--query-gpu=clocks.sm,clocks_throttle_reasons.active",
+                            "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"] + (["-i", gpu] if gpu else [])
+        self.process = self.reader = None
+
+    @staticmethod
+    def parse(line: str) -> Optional[tuple[float, int]]:
+        """``"1980, 0x0000000000000004"`` -> (1980.0, 4); None for anything else (a header, an error line)."""
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            return float(parts[0]), int(parts[1], 16)
+        except (IndexError, ValueError):
+            return None
+
+    def __enter__(self) -> "ClockLog":
+        if self.command:
+            try:
+                self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                text=True)
+            except OSError:
+                return self
+            self.reader = threading.Thread(target=self._read, daemon=True)
+            self.reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            sample = self.parse(line)
+            if sample is not None:
+                self.samples.append((self.clock(), *sample))
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait()
+            self.reader.join(timeout=5)
+
+    def window(self, start: float, end: float) -> dict:
+        """The row fields for the samples taken between ``start`` and ``end`` (``clock()`` times); ``{}`` if none."""
+        inside = [(mhz, reasons) for t, mhz, reasons in self.samples if start <= t <= end]
+        if not inside:
+            return {}
+        mhz = [m for m, _ in inside]
+        return {"sm_mhz": statistics.median(mhz), "sm_mhz_min": min(mhz),
+                "power_capped": sum(1 for _, r in inside if r & self.POWER_CAP) / len(inside)}
+
+
+def gpu_id() -> Optional[str]:
+    """The current CUDA device as ``nvidia-smi -i`` names it (its UUID: CUDA_VISIBLE_DEVICES renumbers
+    indices), or None."""
+    import torch
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return f"GPU-{uuid}" if uuid else None
+
+
+def measure_row(fn: Callable, inputs: dict, mode: str, device: str, timer=measure_ms,
+                clocks: Optional[ClockLog] = None) -> dict:
+    """First call, peak memory of one step and the median time of ``fn`` in ``mode``; with ``clocks``, the SM clock
+    while it was timed (:meth:`ClockLog.window`)."""
     import torch
     leaves = [x for x in inputs.values() if mode == "fwd+bwd" and x.requires_grad]
     if mode == "fwd+bwd":
@@ -314,9 +391,13 @@ def measure_row(fn: Callable, inputs: dict, mode: str, device: str, timer=measur
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
         clear()
+    started = clocks.clock() if clocks is not None else None
     ms = timer(step, device, grad_to_none=leaves or None)
     clear()
-    return {"ms": ms, "peak_mib": peak, "first_call_s": first}
+    row = {"ms": ms, "peak_mib": peak, "first_call_s": first}
+    if clocks is not None:
+        row.update(clocks.window(started, clocks.clock()))
+    return row
 
 
 class Progress:
@@ -382,8 +463,9 @@ def default_out_path(device_name: str, root: Path) -> Path:
 
 def run_bench(spec, plan: list[tuple[Case, tuple[str, ...]]], impls: dict[str, Callable], rows: RowFile, *,
               device: str, dtype, budget: Budget, timer=measure_ms, progress: Optional[Progress] = None,
-              device_name: str = "cpu", log=print) -> dict:
-    """Measure every (case, mode, impl) of ``plan`` in order, appending a row after each.
+              device_name: str = "cpu", log=print, clocks: Optional[ClockLog] = None) -> dict:
+    """Measure every (case, mode, impl) of ``plan`` in order, appending a row after each (with ``clocks``, each
+    timed row also gets the SM clock it ran at).
 
     Returns ``{"measured": n, "failed": n, "skipped": [labels skipped for the time budget]}``.
     """
@@ -416,7 +498,7 @@ def run_bench(spec, plan: list[tuple[Case, tuple[str, ...]]], impls: dict[str, C
                         torch.cuda.empty_cache()
                     inputs = make_inputs(spec, case, dtype, device, requires_grad=mode == "fwd+bwd")
                     inputs_for = (case, mode)
-                row.update(measure_row(impls[name], inputs, mode, device, timer=timer))
+                row.update(measure_row(impls[name], inputs, mode, device, timer=timer, clocks=clocks))
                 row["tokens_per_s"] = case.B * case.T / row["ms"] * 1e3
                 if spec.name == "gated_delta_rule" and "H200" in device_name:
                     row["floor_ms"] = floor_ms(case, mode)
@@ -441,7 +523,10 @@ def format_table(rows: list[dict]) -> str:
         tps = f"{r['tokens_per_s'] / 1e6:9.2f}" if r.get("tokens_per_s") else f"{'-':>9}"
         peak = f"{r['peak_mib']:9.0f}" if r.get("peak_mib") is not None else f"{'-':>9}"
         first = f"{r['first_call_s']:8.2f}" if r.get("first_call_s") is not None else f"{'-':>8}"
-        note = r.get("error", "")[:60] or (f"floor {r['floor_ms']:.3f} ms" if r.get("floor_ms") else "")
+        note = r.get("error", "")[:60] or "; ".join(
+            ([f"floor {r['floor_ms']:.3f} ms"] if r.get("floor_ms") else [])
+            + ([f"SM {r['sm_mhz']:.0f} MHz (min {r['sm_mhz_min']:.0f})"] if r.get("sm_mhz") else [])
+            + ([f"power-capped {r['power_capped']:.0%}"] if r.get("power_capped") else []))
         lines.append(f"{r['mode']:<8} {r['impl']:<9} {shape:<28} {ms} {tps} {peak} {first}  {note}")
     return "\n".join(lines)
 

@@ -5,6 +5,8 @@ runs the real CLI end to end on the Triton interpreter with one tiny case.
 """
 import json
 import struct
+import sys
+import time
 import zlib
 
 import pytest
@@ -189,3 +191,46 @@ def test_roofline_floor_per_mode():
     assert 0 < forward < training <= 3 * forward + 1e-9
     with pytest.raises(ValueError, match="mode"):
         floor_ms(case, "bwd")
+
+
+def test_clock_log_reads_nvidia_smi_lines():
+    assert bench.ClockLog.parse("1980, 0x0000000000000004") == (1980.0, 4)
+    assert bench.ClockLog.parse("1545, 0x0000000000000000\n") == (1545.0, 0)
+    for junk in ("clocks.current.sm [MHz], clocks_event_reasons.active", "[N/A], 0x0", "", "No devices were found"):
+        assert bench.ClockLog.parse(junk) is None
+
+
+def test_clock_log_samples_a_process_beside_the_benchmark():
+    """A stand-in for nvidia-smi printing two samples (and a line to skip) is read while the log is open."""
+    script = "import time\nprint('header')\nprint('1980, 0x0', flush=True)\nprint('1695, 0x4', flush=True)\ntime.sleep(30)"
+    with bench.ClockLog(command=[sys.executable, "-c", script]) as clocks:
+        deadline = time.monotonic() + 20
+        while len(clocks.samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert clocks.process.poll() is not None                    # stopped on exit, not left running
+    assert [s[1:] for s in clocks.samples] == [(1980.0, 0), (1695.0, 4)]
+    assert clocks.window(0.0, time.monotonic()) == {"sm_mhz": 1837.5, "sm_mhz_min": 1695.0, "power_capped": 0.5}
+    assert bench.ClockLog(command=[]).__enter__().window(0.0, 1e9) == {}     # nothing to sample: no fields
+
+
+def test_rows_carry_the_clock_they_were_timed_at(tmp_path):
+    clock = FakeClock()
+    clocks = bench.ClockLog(command=[], clock=clock)
+    # samples before, during and after the two timed rows (each timed over 1 s of the fake clock)
+    clocks.samples = [(0.5, 1980.0, 0), (1.5, 1980.0, 0), (1.7, 1710.0, 4), (2.2, 1500.0, 4), (3.5, 1965.0, 0)]
+
+    def timer(step, device, grad_to_none=None):
+        clock.now += 1.0
+        return 1.0
+
+    plan = [(bench.Case(f"c{i}", 1, 16, 1, 1, 8, 8), ("fwd",)) for i in range(2)]
+    rows = bench.RowFile(tmp_path / "rows.json")
+    clock.now = 1.0
+    bench.run_bench(SPEC, plan, {"gdngen": fake_impl}, rows, device="cpu", dtype=torch.float32,
+                    budget=bench.Budget(None, clock=clock), timer=timer, progress=bench.Progress(2, clock=clock),
+                    clocks=clocks)
+    first, second = rows.rows
+    assert (first["sm_mhz"], first["sm_mhz_min"], first["power_capped"]) == (1845.0, 1710.0, 0.5)   # 1.0-2.0 s
+    assert (second["sm_mhz"], second["sm_mhz_min"], second["power_capped"]) == (1500.0, 1500.0, 1.0)  # 2.0-3.0 s
+    table = bench.format_table(rows.rows)
+    assert "SM 1845 MHz (min 1710); power-capped 50%" in table and "SM 1500 MHz (min 1500); power-capped 100%" in table
