@@ -291,7 +291,8 @@ class ClockLog:
     Why: called back to back, the (1,131072,16,32) forward draws the H100's 700 W limit; its clock then falls to
     1.55-1.75 GHz of 1.98 and do_bench reads 2.03 ms against 1.95 of kernels timed in a short burst
     (benchmarks/NOTES.md, stop 61). Two rows timed at different clocks are not comparable.
-    Without ``nvidia-smi`` (CPU, CI) it samples nothing and :meth:`window` gives ``{}``.
+    ``gpu``: the card, as ``nvidia-smi -i`` names it (:func:`gpu_id`); without it (CPU, CI) or without
+    ``nvidia-smi`` it samples nothing and :meth:`window` gives ``{}``. ``command``: another sampler (tests).
     """
     POWER_CAP = 0x4      # clocks_throttle_reasons.active: the software power cap
 
@@ -299,9 +300,9 @@ class ClockLog:
         self.clock = clock
         self.samples: list[tuple[float, float, int]] = []      # (clock(), SM MHz, throttle reasons)
         self.command = command
-        if command is None and shutil.which("nvidia-smi"):
+        if command is None and gpu is not None and shutil.which("nvidia-smi"):
             self.command = ["nvidia-smi", "--query-gpu=clocks.sm,clocks_throttle_reasons.active",
-                            "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"] + (["-i", gpu] if gpu else [])
+                            "--format=csv,noheader,nounits", f"--loop-ms={period_ms}", "-i", gpu]
         self.process = self.reader = None
 
     @staticmethod
@@ -346,12 +347,13 @@ class ClockLog:
                 "power_capped": sum(1 for _, r in inside if r & self.POWER_CAP) / len(inside)}
 
 
-def gpu_id() -> Optional[str]:
-    """The current CUDA device as ``nvidia-smi -i`` names it (its UUID: CUDA_VISIBLE_DEVICES renumbers
-    indices), or None."""
+def gpu_id() -> str:
+    """The current CUDA device as ``nvidia-smi -i`` names it: its UUID where torch gives one
+    (CUDA_VISIBLE_DEVICES renumbers indices), else its index."""
     import torch
-    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
-    return f"GPU-{uuid}" if uuid else None
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"GPU-{uuid}" if uuid else str(index)
 
 
 def measure_row(fn: Callable, inputs: dict, mode: str, device: str, timer=measure_ms,

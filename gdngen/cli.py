@@ -188,8 +188,7 @@ def cmd_bench(args) -> int:
         return 1
     out = Path(args.out) if args.out else bench.default_out_path(device_name, Path(__file__).resolve().parent.parent)
     rows = bench.RowFile(out, append=args.append)
-    with bench.ClockLog(bench.gpu_id() if device == "cuda" else None,
-                        command=None if device == "cuda" else []) as clocks:
+    with bench.ClockLog(bench.gpu_id() if device == "cuda" else None) as clocks:
         summary = bench.run_bench(spec, plan, impls, rows, device=device, dtype=dtype, budget=budget,
                                   device_name=device_name, clocks=clocks)
     if device == "cpu":
