@@ -53,7 +53,8 @@ def _describe(value):
     raise TypeError(f"argument of type {type(value).__name__}: not recordable")
 
 
-def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict) -> list:
+def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict, final_state: bool = False,
+           initial_state: bool = True) -> list:
     import contextlib
     import torch
     from gdngen.runtime import gluon_emulator, override
@@ -74,7 +75,8 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict)
     module = gluon_emulator.load_module(module_name)
     spec = load_spec(os.path.join(ROOT, "specs", f"{module_name}.yaml"))
     B, T, H, HV = shape
-    inputs = make_inputs(spec, B=B, T=T, H=H, HV=HV, K=kv[0], V=kv[1], dtype=torch.bfloat16, device="cpu")
+    inputs = make_inputs(spec, B=B, T=T, H=H, HV=HV, K=kv[0], V=kv[1], dtype=torch.bfloat16, device="cpu",
+                         h0=initial_state)
     run = EmulatedKernel.launch
     EmulatedKernel.launch = launch          # recorded, not run: the outputs are never read
     try:
@@ -83,7 +85,7 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict)
                 stack.enter_context(override(module_name, name, value=value))
             if mode == "fwd":
                 with torch.no_grad():
-                    call(module, spec, inputs)
+                    call(module, spec, inputs, output_final_state=final_state)
             else:
                 training_gradients(module, spec, inputs, seed=0)
     finally:
@@ -192,6 +194,10 @@ def main(argv=None) -> None:
     parser.add_argument("--kv", default="128,128", help="K,V")
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
     parser.add_argument("--switches", default="", help="override switches: name=1,name=0 (state_pieces=4: pieces and their walks)")
+    parser.add_argument("--final-state", action="store_true", help="the forward asks for the final state (a kernel "
+                        "that also stores it compiles apart)")
+    parser.add_argument("--no-initial-state", action="store_true", help="the call passes no initial state (as the "
+                        "benchmarks' calls)")
     parser.add_argument("--triton", help="a folder holding the H200's Triton (put first on the path to compile)")
     parser.add_argument("--kernel", default="", help="only the kernels whose names contain this")
     parser.add_argument("--set", default="", help="constexprs / launch options to replace, e.g. "
@@ -204,7 +210,8 @@ def main(argv=None) -> None:
     if args._record:
         switches = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.switches.split(",") if kv}
         launches = record(args.module, tuple(int(x) for x in args.shape.split(",")),
-                          tuple(int(x) for x in args.kv.split(",")), args.mode, switches)
+                          tuple(int(x) for x in args.kv.split(",")), args.mode, switches, args.final_state,
+                          not args.no_initial_state)
         pickle.dump(launches, open(args._record, "wb"))
         return
     if args._compile:
@@ -214,7 +221,8 @@ def main(argv=None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         launches = os.path.join(tmp, "launches.pkl")
-        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", args.mode, "--switches", args.switches]
+        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", args.mode, "--switches", args.switches] + (
+            ["--final-state"] if args.final_state else []) + (["--no-initial-state"] if args.no_initial_state else [])
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
         subprocess.run([sys.executable, __file__, *common, "--_record", launches], env=env, check=True)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
