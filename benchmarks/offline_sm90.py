@@ -3,7 +3,10 @@ stack, spills and wgmma serialisation per warp-specialised partition.
 
     python benchmarks/offline_sm90.py --triton /tmp/t36x [--module gated_delta_rule] [--shape B,T,H,HV]
         [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--kernel _reverse]
-        [--set VALUES_REGS=152,SCORES_REGS=176] [--ptx-dir DIR]
+        [--set VALUES_REGS=152,SCORES_REGS=176] [--ptx-dir DIR] [--final-state] [--no-initial-state]
+
+The call asks for no final state (the benchmarks' call) unless ``--final-state``; a kernel that stores it compiles
+apart, and the two can spill differently (stop 62). Before stop 62 a training step always asked for it.
 
 Two processes:
 1. record (TRITON_INTERPRET=1): the module's emulated copy (gdngen.runtime.gluon_emulator) runs one call at a small
@@ -86,8 +89,14 @@ def record(module_name: str, shape: tuple, kv: tuple, mode: str, switches: dict,
             if mode == "fwd":
                 with torch.no_grad():
                     call(module, spec, inputs, output_final_state=final_state)
-            else:
+            elif final_state:
                 training_gradients(module, spec, inputs, seed=0)
+            else:
+                # a training step that asks for no final state (the benchmarks' call)
+                leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()
+                          if isinstance(x, torch.Tensor) and x.is_floating_point()}
+                o, _ = call(module, spec, {**inputs, **leaves})
+                o.backward(torch.ones_like(o))
     finally:
         EmulatedKernel.launch = run
     return launches
@@ -194,8 +203,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kv", default="128,128", help="K,V")
     parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd+bwd")
     parser.add_argument("--switches", default="", help="override switches: name=1,name=0 (state_pieces=4: pieces and their walks)")
-    parser.add_argument("--final-state", action="store_true", help="the forward asks for the final state (a kernel "
-                        "that also stores it compiles apart)")
+    parser.add_argument("--final-state", action="store_true", help="the call asks for the final state (a kernel "
+                        "that also stores it compiles apart; a training step without it has no final-state gradient)")
     parser.add_argument("--no-initial-state", action="store_true", help="the call passes no initial state (as the "
                         "benchmarks' calls)")
     parser.add_argument("--triton", help="a folder holding the H200's Triton (put first on the path to compile)")
