@@ -4,6 +4,7 @@ stack, spills and wgmma serialisation per warp-specialised partition.
     python benchmarks/offline_sm90.py --triton /tmp/t36x [--module gated_delta_rule] [--shape B,T,H,HV]
         [--mode fwd+bwd] [--switches "gluon_one_chain_bwd=1,gluon_reverse_wy=1"] [--kernel _reverse]
         [--set VALUES_REGS=152,SCORES_REGS=176] [--ptx-dir DIR] [--final-state] [--no-initial-state]
+    python benchmarks/offline_sm90.py --triton /tmp/t36x --calls --kernel _state_output   # every call users make
 
 The call asks for no final state (the benchmarks' call) unless ``--final-state``; a kernel that stores it compiles
 apart, and the two can spill differently (stop 62). Before stop 62 a training step always asked for it.
@@ -120,18 +121,47 @@ def _argument(description):
     return description[1]
 
 
+def _loop_ranges(sass: str) -> list:
+    """The address ranges [label, branch] of the listing's predicated backward branches: its loops' bodies (a local
+    load in one is paid every trip, as the pass's chunk loop paid stop 62's)."""
+    labels, ranges, pending = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        code = re.match(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*;)", line)
+        if not code:
+            continue
+        address = int(code.group(1), 16)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        # a loop's back edge is predicated; the unconditional ones are the barrier waits' retry stubs at the
+        # kernel's end jumping back to where they were called from
+        target = re.search(r"^@!?U?P\w+\s+BRA\s+(?:\w+,\s*)?`\((\.L_x_\d+)\)", code.group(2).strip())
+        if target and target.group(1) in labels and labels[target.group(1)] <= address:
+            ranges.append((labels[target.group(1)], address))
+    return ranges
+
+
 def _partitions(sass: str) -> list:
     """nvdisasm's listing split where each partition sets its registers (ncu_source_summary.segments): per part
-    its label, instructions, local stores and loads, wgmmas, and wgmmas waited for at once."""
+    its label, instructions, local stores and loads (and how many of them sit in a loop), wgmmas, and wgmmas
+    waited for at once."""
     from collections import Counter
     from benchmarks.ncu_source_summary import Instruction, segments
     code = [Instruction(int(m.group(1), 16), m.group(2).strip(), 0, 0, Counter())
             for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*;)", sass, re.M)]
+    loops = _loop_ranges(sass)
     parts = []
     for segment in segments(code):
         ops = [re.sub(r"^@!?U?P\w+\s+", "", ins.text).split(" ")[0] for ins in segment.instructions]
+        looped = [any(a <= ins.address <= b for a, b in loops) for ins in segment.instructions]
         parts.append(dict(regs=segment.label, n=len(ops), STL=sum(o.startswith("STL") for o in ops),
                           LDL=sum(o.startswith("LDL") for o in ops), wgmma=sum(o.startswith("HGMMA") for o in ops),
+                          loop_STL=sum(o.startswith("STL") and inside for o, inside in zip(ops, looped)),
+                          loop_LDL=sum(o.startswith("LDL") and inside for o, inside in zip(ops, looped)),
                           serial=sum(a.startswith("HGMMA") and b.startswith("WARPGROUP.DEPBAR")
                                      for a, b in zip(ops, ops[1:]))))
     return [p for p in parts if p["n"] > 40]
@@ -192,8 +222,9 @@ def _print(rows: list) -> None:
               f"{row['spill_loads']} B, shared {row['shared']} B"
               + (f", WGMMA SERIALIZED ({'; '.join(row['serialized'])})" if row["serialized"] else ""))
         for part in row["partitions"]:
-            print(f"    {part['regs']:>15}: {part['n']:5d} instr, STL {part['STL']:3d}, LDL {part['LDL']:3d}, "
-                  f"wgmma {part['wgmma']:3d} ({part['serial']} waited at once)")
+            print(f"    {part['regs']:>15}: {part['n']:5d} instr, STL {part['STL']:3d}, LDL {part['LDL']:3d} "
+                  f"({part['loop_STL']} / {part['loop_LDL']} in loops), wgmma {part['wgmma']:3d} "
+                  f"({part['serial']} waited at once)")
 
 
 def main(argv=None) -> None:
@@ -213,6 +244,8 @@ def main(argv=None) -> None:
                         "VALUES_REGS=152,SCORES_REGS=176 (a register split) or maxnreg=128")
     parser.add_argument("--ptx-dir", help="keep each kernel's PTX and SASS here")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--calls", action="store_true", help="every call users make (forward / training, dense / "
+                        "pieces, final state or not), each compiled as made: local loads in loops per partition")
     parser.add_argument("--_record", help=argparse.SUPPRESS)
     parser.add_argument("--_compile", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -228,10 +261,21 @@ def main(argv=None) -> None:
         rows = compile_all(_adjusted(pickle.load(open(args._compile, "rb")), args.kernel, settings), args.ptx_dir)
         json.dump(rows, sys.stdout)
         return
+    if args.calls:
+        _sweep_calls(args)
+        return
+    rows = _record_and_compile(args, args.mode, args.switches, args.final_state, not args.no_initial_state)
+    _print(rows)
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+
+
+def _record_and_compile(args, mode: str, switches: str, final_state: bool, initial_state: bool) -> list:
+    """Phase 1 under the interpreter, phase 2 with the H200's Triton, each in a process of its own: the rows."""
     with tempfile.TemporaryDirectory() as tmp:
         launches = os.path.join(tmp, "launches.pkl")
-        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", args.mode, "--switches", args.switches] + (
-            ["--final-state"] if args.final_state else []) + (["--no-initial-state"] if args.no_initial_state else [])
+        common = ["--module", args.module, "--shape", args.shape, "--kv", args.kv, "--mode", mode, "--switches",
+                  switches] + (["--final-state"] if final_state else []) + ([] if initial_state else ["--no-initial-state"])
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
         subprocess.run([sys.executable, __file__, *common, "--_record", launches], env=env, check=True)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -239,8 +283,27 @@ def main(argv=None) -> None:
         extra = ["--kernel", args.kernel, "--set", args.set] + (["--ptx-dir", args.ptx_dir] if args.ptx_dir else [])
         out = subprocess.run([sys.executable, __file__, *common, "--_compile", launches, *extra], env=env,
                              check=True, stdout=subprocess.PIPE, text=True).stdout
-    rows = json.loads(out)
-    _print(rows)
+    return json.loads(out)
+
+
+def _sweep_calls(args) -> None:
+    """``--calls``: every call users make of the selected kernels (``--kernel``), each compiled as that call makes
+    it: a no-grad forward and a training step, dense and in pieces (state_pieces=4), with the final state asked
+    and without, no initial state. Why: ptxas allocates each constexpr variant's registers on its own, and a
+    variant nobody timed can spill in its loop (stop 62: the pass over pieces without the final state, 12-16%
+    slower). One line per call and kernel: its partitions' local loads inside loops, then in all."""
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        for pieces in (1, 4):
+            for final_state in (False, True):
+                call = f"{mode} {'pieces' if pieces > 1 else 'dense'} {'final' if final_state else 'no final'}"
+                print(f"{call} ...", file=sys.stderr, flush=True)
+                for row in _record_and_compile(args, mode, f"state_pieces={pieces}", final_state, False):
+                    rows.append(dict(row, call=call))
+    for row in rows:
+        loads = " | ".join(f"{p['loop_LDL']}/{p['LDL']}" for p in row["partitions"])
+        print(f"{row['call']:<24} {row['kernel']:<28} spills {row['spill_stores']:>4} B   LDL in loops / all, by "
+              f"partition: {loads}")
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 

@@ -109,3 +109,26 @@ def test_the_call_records_as_asked(mode, pieces, final_state):
     if mode == "fwd+bwd":
         reverse = next(a for name, a, _, _ in launches if name == "_state_bwd_gluon_kernel")
         assert reverse["USE_FINAL_GRAD"] == ("value", final_state)
+
+
+def test_local_loads_in_loops_are_counted_apart():
+    """A local load inside a loop (a predicated backward branch) is paid every trip, one before it once; a barrier
+    wait's retry stub jumping back unconditionally from the kernel's end is no loop (stop 62's chain spill)."""
+    from benchmarks.offline_sm90 import _loop_ranges
+    listing = NOPS + """
+        /*1000*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd0 ;
+        /*1010*/                   STL [R1+0x8], R3 ;
+.L_x_35:
+        /*1020*/                   LDL R0, [R1+0x8] ;
+        /*1030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0 ;
+.L_x_45:
+        /*1040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*1050*/               @P0 BRA `(.L_x_35) ;
+        /*1060*/                   LDL R2, [R1+0x8] ;
+.L_x_31:
+        /*1070*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR13+0x2cb50], R0 ;
+        /*1080*/                   BRA `(.L_x_45) ;
+""" + NOPS.replace("/*0", "/*2")
+    assert _loop_ranges(listing) == [(0x1020, 0x1050)]
+    chain = _partitions(listing)[1]
+    assert (chain["STL"], chain["LDL"], chain["loop_STL"], chain["loop_LDL"]) == (1, 2, 0, 1)
