@@ -121,6 +121,10 @@ def _argument(description):
     return description[1]
 
 
+# one instruction of nvdisasm's listing: its address and its text up to the semicolon
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*;)", re.M)
+
+
 def _loop_ranges(sass: str) -> list:
     """The address ranges [label, branch] of the listing's predicated backward branches: its loops' bodies (a local
     load in one is paid every trip, as the pass's chunk loop paid stop 62's)."""
@@ -130,7 +134,7 @@ def _loop_ranges(sass: str) -> list:
         if label:
             pending.append(label.group(1))
             continue
-        code = re.match(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*;)", line)
+        code = SASS_LINE.match(line)
         if not code:
             continue
         address = int(code.group(1), 16)
@@ -152,7 +156,7 @@ def _partitions(sass: str) -> list:
     from collections import Counter
     from benchmarks.ncu_source_summary import Instruction, segments
     code = [Instruction(int(m.group(1), 16), m.group(2).strip(), 0, 0, Counter())
-            for m in re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*;)", sass, re.M)]
+            for m in SASS_LINE.finditer(sass)]
     loops = _loop_ranges(sass)
     parts = []
     for segment in segments(code):
@@ -289,7 +293,7 @@ def _record_and_compile(args, mode: str, switches: str, final_state: bool, initi
 def _sweep_calls(args) -> None:
     """``--calls``: every call users make of the selected kernels (``--kernel``), each compiled as that call makes
     it: a no-grad forward and a training step, dense and in pieces (state_pieces=4), with the final state asked
-    and without, no initial state. Why: ptxas allocates each constexpr variant's registers on its own, and a
+    and without, no initial state (``--switches`` added to each). Why: ptxas allocates each constexpr variant's registers on its own, and a
     variant nobody timed can spill in its loop (stop 62: the pass over pieces without the final state, 12-16%
     slower). One line per call and kernel: its partitions' local loads inside loops, then in all."""
     rows = []
@@ -298,7 +302,8 @@ def _sweep_calls(args) -> None:
             for final_state in (False, True):
                 call = f"{mode} {'pieces' if pieces > 1 else 'dense'} {'final' if final_state else 'no final'}"
                 print(f"{call} ...", file=sys.stderr, flush=True)
-                for row in _record_and_compile(args, mode, f"state_pieces={pieces}", final_state, False):
+                switches = ",".join(kv for kv in (args.switches, f"state_pieces={pieces}") if kv)
+                for row in _record_and_compile(args, mode, switches, final_state, False):
                     rows.append(dict(row, call=call))
     for row in rows:
         loads = " | ".join(f"{p['loop_LDL']}/{p['LDL']}" for p in row["partitions"])
