@@ -392,6 +392,40 @@ def test_forward_pass(emulated, dtype, shape, h0, pieces):
     assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
 
 
+@pytest.mark.parametrize("h0", [False, True])
+def test_dense_sequences_as_one_piece_each(emulated, monkeypatch, h0):
+    """gluon_dense_pieces: where the pass stores the final state or the states for a backward, dense sequences of
+    whole chunks run its pieces build (IS_VARLEN, one piece a sequence), and the output, final state and every
+    gradient are the dense build's bit for bit; a forward without the final state stays dense."""
+    module, _ = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=45, K=128, V=128, h0=h0, B=2, T=256, H=2,
+                         HV=4)
+    varlen, original = [], module._state_output_gluon_fast
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                varlen.append(kwargs["IS_VARLEN"])
+                return original[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(module, "_state_output_gluon_fast", Recording())
+    runs = {}
+    for as_pieces in (False, True):
+        varlen.clear()
+        with _switched(True, 1, gluon_dense_pieces=as_pieces):
+            o, ht = call(module, spec, inputs, output_final_state=True)
+            o_alone, _ = call(module, spec, inputs, output_final_state=False)
+            o_step, ht_step, grads, _ = training_gradients(module, spec, inputs, seed=46)
+        assert varlen == [as_pieces, False, as_pieces]
+        runs[as_pieces] = dict(o=o, ht=ht, o_alone=o_alone, o_step=o_step, ht_step=ht_step,
+                               **{f"d{name}": grad for name, grad in grads.items()})
+    assert runs[True].keys() == runs[False].keys()
+    for name, dense in runs[False].items():
+        assert not dense.isnan().any(), name
+        assert torch.equal(runs[True][name], dense), name
+
+
 def _forward_backward(module, spec, inputs, seed):
     """Every floating input's gradient of one training call, and the cotangents (do, dht) it took."""
     _, _, grads, cotangents = training_gradients(module, spec, inputs, seed)

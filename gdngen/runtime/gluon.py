@@ -130,6 +130,17 @@ def gluon_training(spec_name: str) -> bool:
     return True if forced is None else bool(forced["value"])
 
 
+def dense_pieces_enabled(spec_name: str) -> bool:
+    """Whether the forward's Gluon pass runs dense sequences of whole chunks as one piece each (the kernel's
+    IS_VARLEN build, the final state stored) where it stores states for a backward or a final state. Compiled
+    dense, those calls' chain halves reload 3 + 1 values a chunk from local memory in a training forward and
+    1 in a forward with its final state (offline sm_90a, Triton 3.6: benchmarks/NOTES.md, stop 62); the
+    pieces build reloads none. Off by default until the H200 measures it: ``override(spec, "gluon_dense_pieces",
+    value=True)`` turns it on (tests compare the two)."""
+    forced = _OVERRIDES.get((spec_name, "gluon_dense_pieces"))
+    return False if forced is None else bool(forced["value"])
+
+
 def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int,
                       BT: int, T: int) -> bool:
     """Whether a fused forward state pass over these dense inputs runs the Gluon kernel (see
