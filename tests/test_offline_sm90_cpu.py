@@ -99,13 +99,17 @@ def test_settings_replace_constexprs_and_options_of_the_kernels_asked():
 def test_the_call_records_as_asked(mode, pieces, final_state):
     """``--final-state`` / ``--no-initial-state``: the call recorded as the benchmarks make it (no final state, no
     initial state) or not, so the variant compiled is the one they run (stop 62: the pass over pieces built without
-    the final-state store spilled). Pieces store their final states either way; dense sequences as asked."""
+    the final-state store spilled). Pieces store their final states either way; dense sequences of whole
+    chunks run as one piece each where the pass stores states or the final state (gluon_dense_pieces)."""
     launches = record("gated_delta_rule", (1, 512, 2, 4), (128, 128), mode, {"state_pieces": pieces},
                       final_state=final_state, initial_state=False)
     passes = [arguments for name, arguments, _, _ in launches if name == "_state_output_gluon_kernel"]
     # (a training forward in pieces starts them from its walk's states: an initial state of the pass's own)
     assert passes and passes[-1]["USE_INITIAL_STATE"] == ("value", mode == "fwd+bwd" and pieces > 1)
-    assert passes[-1]["STORE_FINAL_STATE"] == ("value", final_state or pieces > 1)
+    # dense sequences run the pieces build where the pass stores states or the final state (stop 63)
+    as_pieces = pieces > 1 or final_state or mode == "fwd+bwd"
+    assert passes[-1]["IS_VARLEN"] == ("value", as_pieces)
+    assert passes[-1]["STORE_FINAL_STATE"] == ("value", as_pieces)
     if mode == "fwd+bwd":
         reverse = next(a for name, a, _, _ in launches if name == "_state_bwd_gluon_kernel")
         assert reverse["USE_FINAL_GRAD"] == ("value", final_state)
