@@ -426,43 +426,6 @@ def test_dense_sequences_as_one_piece_each(emulated, monkeypatch, h0):
         assert torch.equal(runs[True][name], dense), name
 
 
-def test_the_forward_chain_launches_dependent(emulated, monkeypatch):
-    """Where programmatic dependent launch is on (dependent_launch_enabled: CUDA, compute capability 9 or more),
-    the forward chain's three launches, gates -> wy -> Gluon pass, carry PDL and launch_pdl, in a forward and in a
-    training step's forward; nothing else does. (The interpreter cannot run griddepcontrol: the launches run
-    without the flags, which change no value.)"""
-    module, _ = emulated
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=47, K=128, V=128, h0=True, B=1, T=256, H=1,
-                         HV=2)
-    flags = []
-
-    class Recording:
-        def __init__(self, name, original):
-            self.name, self.original = name, original
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                pdl, launch_pdl = kwargs.pop("PDL", False), kwargs.pop("launch_pdl", False)
-                flags.append((self.name, pdl, launch_pdl))
-                return self.original[grid](*args, **kwargs)
-            return launch
-    monkeypatch.setattr(module, "_gates_fwd_fast", Recording("gates", module._gates_fwd_fast))
-    monkeypatch.setitem(module._WY_FAST, 64, Recording("wy", module._WY_FAST[64]))
-    monkeypatch.setattr(module, "_state_output_gluon_fast", Recording("pass", module._state_output_gluon_fast))
-    chain = [("gates", True, True), ("wy", True, True), ("pass", True, True)]
-    for enabled in (True, False):
-        monkeypatch.setattr(module, "dependent_launch_enabled", lambda spec_name, x: enabled)
-        for training in (False, True):
-            flags.clear()
-            with _switched(True, 1):
-                if training:
-                    training_gradients(module, spec, inputs, seed=48)
-                else:
-                    call(module, spec, inputs, output_final_state=True)
-            assert flags == (chain if enabled else [(name, False, False) for name, _, _ in chain]), (enabled, training)
-
-
 def _forward_backward(module, spec, inputs, seed):
     """Every floating input's gradient of one training call, and the cotangents (do, dht) it took."""
     _, _, grads, cotangents = training_gradients(module, spec, inputs, seed)

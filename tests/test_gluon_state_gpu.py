@@ -1,6 +1,5 @@
 """GPU tier: the fused forward state pass in Gluon (stages/state_gluon.py.j2) against the Triton pass
 over the same pieces (bit for bit, NaN-poisoned buffers) and against float64 (run on the H200)."""
-import contextlib
 import importlib
 import inspect
 
@@ -125,33 +124,6 @@ def test_dense_sequences_as_one_piece_each(counted):
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(runs[True]["o"], o_ref) <= TOL[torch.bfloat16]
     assert rel_rmse(runs[True]["ht"], ht_ref) <= TOL[torch.bfloat16]
-
-
-def test_dependent_launch_changes_no_bit():
-    """The forward chain gates -> wy -> Gluon pass with programmatic dependent launch (the default on this GPU)
-    against plain launches (override launch_pdl off): o, the final state and every gradient bit for bit, the
-    forward also replayed from a CUDA graph (the last of three identical calls), on NaN-poisoned buffers."""
-    module = importlib.import_module(f"generated.{NAME}")
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=26, B=2, T=4096, H=4, HV=8, K=128, V=128,
-                         h0=True)
-    assert module.dependent_launch_enabled(NAME, inputs["q"])
-    runs = {}
-    for dependent in (True, False):
-        switch = contextlib.nullcontext() if dependent else override(NAME, "launch_pdl", value=False)
-        run = {}
-        with switch, poisoned_memory():
-            for i in range(3):
-                # copies kept, the outputs let go: the second call is captured, the third replayed
-                with torch.no_grad():
-                    o, ht = call(module, spec, inputs, output_final_state=True)
-                run[f"o{i}"], run[f"ht{i}"] = o.clone(), ht.clone()
-                del o, ht
-            run["o_step"], run["ht_step"], grads = _forward_backward(module, spec, inputs, seed=27)
-        runs[dependent] = dict(run, **grads)
-    for name, plain in runs[False].items():
-        assert not plain.isnan().any(), name
-        assert torch.equal(runs[True][name], plain), name
 
 
 def test_shapes_it_does_not_take_run_the_triton_pass(counted):

@@ -19,7 +19,6 @@ On a Triton without Gluon (or without its Hopper module) the names below are Non
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -39,11 +38,6 @@ except ImportError:                 # a Triton without Gluon's Hopper module
     gluon = async_copy = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
     TensorDescriptor = None
     AVAILABLE = False
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:                 # a Triton without grid dependency control: dependent_launch_enabled is False
-    gdc_launch_dependents = gdc_wait = None
 
 
 def gl_dtype(dtype: torch.dtype):
@@ -146,28 +140,6 @@ def dense_pieces_enabled(spec_name: str) -> bool:
     ``override(spec, "gluon_dense_pieces", value=False)`` compiles dense sequences dense (tests compare the two)."""
     forced = _OVERRIDES.get((spec_name, "gluon_dense_pieces"))
     return True if forced is None else bool(forced["value"])
-
-
-def dependent_launch_enabled(spec_name: str, x: torch.Tensor) -> bool:
-    """Whether the forward chain gates -> wy -> Gluon pass launches with programmatic dependent launch
-    (stages/_grid_dependency.j2): each kernel may start while the one before it finishes, and waits for it
-    (griddepcontrol.wait) before reading what it wrote; the wy stage forms K K^T (k is older) before that
-    wait, under the gates launch. CUDA devices of compute capability 9 or more, compiled kernels only (not
-    under TRITON_INTERPRET=1). ``override(spec, "launch_pdl", value=False)`` launches them plainly (tests
-    compare the two)."""
-    forced = _OVERRIDES.get((spec_name, "launch_pdl"))
-    if forced is not None and not forced["value"]:
-        return False
-    if gdc_wait is None or not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    index = x.get_device()
-    capable = _PDL_CAPABLE.get(index)
-    if capable is None:
-        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return capable
-
-
-_PDL_CAPABLE: dict = {}
 
 
 def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int,
