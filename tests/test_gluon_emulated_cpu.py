@@ -394,9 +394,9 @@ def test_forward_pass(emulated, dtype, shape, h0, pieces):
 
 @pytest.mark.parametrize("h0", [False, True])
 def test_dense_sequences_as_one_piece_each(emulated, monkeypatch, h0):
-    """gluon_dense_pieces (on by default): where the pass stores the final state or the states for a backward, dense sequences of
-    whole chunks run its pieces build (IS_VARLEN, one piece a sequence), and the output, final state and every
-    gradient are the dense build's bit for bit; a forward without the final state stays dense."""
+    """gluon_dense_pieces (on by default): where the pass stores the final state or the states for a backward,
+    dense sequences of whole chunks run its pieces build (IS_VARLEN, one piece a sequence), and the output, final
+    state and every gradient are the dense build's bit for bit; a forward without the final state stays dense."""
     module, _ = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=45, K=128, V=128, h0=h0, B=2, T=256, H=2,
