@@ -13,7 +13,10 @@ first round after the timed runs is the slow one, so a single round favours whic
 (``override_backward``), each with its gradients' difference to the default tiles'. ``--switches`` adds rows of
 the last module with ``gdngen.runtime.override`` switches set, one row per space-separated group of
 comma-separated ``name=0|1`` (e.g. ``"gluon_one_chain_bwd=1 gluon_one_chain_bwd=1,gluon_reverse_wy=1"``: the
-one-chain reverse pass, then with the wy stage in it), profiled beside the modules.
+one-chain reverse pass, then with the wy stage in it), profiled beside the modules. An override keeps a call off
+CUDA graphs (gdngen.runtime.graphs), so a switch row's do_bench is an eager call where the modules' rows may
+replay: compare its kernel times (``--profile``), not its ms (stop 63: 1.8 against 0.64 ms at (8,2048,16,16) for
+the same kernels).
 A template change is measured by rendering main's module into an untracked file
 (``git show HEAD:generated/gated_delta_rule.py > variant_tmp/gdr_head.py``) beside the working tree's.
 """
