@@ -230,7 +230,13 @@ def _signature(launch: Launch):
     fn = launch.fn
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(fn.params):
-        value = launch.args[param.name]
+        # a parameter the launch left to its default (a constexpr with one) takes it, as a launch would
+        if param.name in launch.args:
+            value = launch.args[param.name]
+        elif param.has_default:
+            value = param.default
+        else:
+            raise KeyError(f"{fn.__name__}: the recorded launch has no {param.name!r} and it has no default")
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
             continue

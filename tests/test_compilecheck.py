@@ -97,3 +97,21 @@ def test_same_named_kernels_of_two_specs_compile_apart():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["bodies_differ"], "the two output stages should differ in source"
     assert result["keys_differ"], "compilecheck would compile one spec's kernel and report it for both"
+
+
+def test_a_constexpr_left_to_its_default_takes_it():
+    """A launch that leaves a defaulted constexpr out (as the module's launches of an option's off state do) is
+    specialised on the default, as Triton's own launch would be; a missing parameter without one still fails."""
+    import torch
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def body(x, n, FLAG: tl.constexpr, OPTION: tl.constexpr = 3):
+        tl.store(x + tl.arange(0, 16), tl.zeros([16], tl.float32) + n + FLAG + OPTION)
+
+    probe = JITFunction(body)                # compiled-mode parameters, with or without the interpreter
+    x = torch.empty(16)
+    _, constexprs, _ = compilecheck._signature(compilecheck.Launch(probe, dict(x=x, n=1, FLAG=2), 4, 1))
+    assert constexprs["FLAG"] == 2 and constexprs["OPTION"] == 3
+    with pytest.raises(KeyError):
+        compilecheck._signature(compilecheck.Launch(probe, dict(x=x, n=1), 4, 1))
