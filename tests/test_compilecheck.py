@@ -100,7 +100,7 @@ def test_same_named_kernels_of_two_specs_compile_apart():
 
 
 def test_a_constexpr_left_to_its_default_takes_it():
-    """A launch that leaves a defaulted constexpr out (as the module's launches of an option's off state do) is
+    """A launch that leaves a defaulted constexpr out (the wy stage's TMA and G_SHARE have defaults) is
     specialised on the default, as Triton's own launch would be; a missing parameter without one still fails."""
     import torch
     import triton.language as tl
