@@ -293,9 +293,9 @@ def _record_and_compile(args, mode: str, switches: str, final_state: bool, initi
 def _sweep_calls(args) -> None:
     """``--calls``: every call users make of the selected kernels (``--kernel``), each compiled as that call makes
     it: a no-grad forward and a training step, dense and in pieces (state_pieces=4), with the final state asked
-    and without, no initial state (``--switches`` added to each). Why: ptxas allocates each constexpr variant's registers on its own, and a
-    variant nobody timed can spill in its loop (stop 62: the pass over pieces without the final state, 12-16%
-    slower). One line per call and kernel: its partitions' local loads inside loops, then in all."""
+    and without, no initial state (``--switches`` added to each). Why: ptxas allocates each constexpr variant's
+    registers on its own, and a variant nobody timed can spill in its loop (stop 62: the pass over pieces without
+    the final state, 12-16% slower). One line per call and kernel: its partitions' local loads inside loops, then in all."""
     rows = []
     for mode in ("fwd", "fwd+bwd"):
         for pieces in (1, 4):
