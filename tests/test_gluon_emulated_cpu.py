@@ -510,12 +510,13 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
 FUSED_ERROR_SLACK = 1.25
 
 
-@pytest.mark.parametrize("shape, h0", [
-    (dict(B=2, T=256, H=2, HV=2), True),         # dense sequences, dh0 and the final state's gradient
-    (dict(B=1, T=192, H=1, HV=2), False),        # grouped value heads; no initial state: no dh0
+@pytest.mark.parametrize("shape, h0, pieces", [
+    (dict(B=2, T=256, H=2, HV=2), True, 1),      # dense sequences, dh0 and the final state's gradient
+    (dict(B=1, T=192, H=1, HV=2), False, 1),     # grouped value heads; no initial state: no dh0
+    (dict(B=1, T=512, H=1, HV=2), True, 4),      # pieces: each walks on over the chunks after it first
 ])
 @pytest.mark.parametrize("at_issue", [False, True])
-def test_fused_backward(emulated, shape, h0, at_issue):
+def test_fused_backward(emulated, shape, h0, pieces, at_issue):
     """The fused backward (stages/backward_fused_gluon.py.j2, override gluon_fused_bwd): one launch in place of
     the reverse pass, the wy stage and the chunk stage, every gradient (dh0 included) within #10's bars of float64
     and within FUSED_ERROR_SLACK of the Triton stages' errors (which, like it, round a head group's dq and dk per
@@ -528,11 +529,12 @@ def test_fused_backward(emulated, shape, h0, at_issue):
     for fused in (True, False):
         for calls in launches.values():
             calls.clear()
-        with _switched(fused, 1, gluon_fused_bwd=fused), \
+        with _switched(fused, pieces, gluon_fused_bwd=fused), \
                 (gluon_emulator.loads_land_at_issue() if at_issue else contextlib.nullcontext()):
             grads[fused], cotangents = _forward_backward(module, spec, inputs, seed=52)
+        n = pieces * shape["B"]
         assert {name: list(calls) for name, calls in launches.items()} == (
-            dict({name: [] for name in LAUNCHERS}, _state_output_gluon=[shape["B"]], _fused_bwd_gluon=[0]) if fused
+            dict({name: [] for name in LAUNCHERS}, _state_output_gluon=[n], _fused_bwd_gluon=[n]) if fused
             else {name: [] for name in LAUNCHERS})
     _, _, want = reference_gradients(spec, inputs, cotangents)
     assert grads[True].keys() == want.keys() and ("initial_state" in want) == h0
@@ -544,10 +546,11 @@ def test_fused_backward(emulated, shape, h0, at_issue):
 
 
 @pytest.mark.parametrize("shape, pieces", [
-    (dict(B=1, T=256, H=2, HV=2), 2),            # pieces
+    (dict(B=1, T=256, H=2, HV=2), 2),
 ])
 def test_fused_backward_only_where_it_can(emulated, shape, pieces):
-    """The switch is off by default; on, pieces keep the three kernels (the fused kernel has no walk)."""
+    """The switch is off by default; on, a backward that reads W rather than forming it from the forward's 16-bit
+    T (override gluon_w_from_t off) keeps the three kernels."""
     from gdngen.runtime.gluon import fused_bwd_enabled
     module, launches = emulated
     assert not fused_bwd_enabled(NAME)
@@ -555,7 +558,7 @@ def test_fused_backward_only_where_it_can(emulated, shape, pieces):
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=53, K=128, V=128, h0=True, **shape)
     for calls in launches.values():
         calls.clear()
-    with _switched(True, pieces, gluon_fused_bwd=True):
+    with _switched(True, pieces, gluon_fused_bwd=True, gluon_w_from_t=False):
         grads, _ = _forward_backward(module, spec, inputs, seed=54)
     assert launches["_fused_bwd_gluon"] == [] and launches["_chunk_bwd_gluon"] == [0]
     assert not any(g.isnan().any() for g in grads.values())

@@ -328,11 +328,12 @@ def test_one_chain_reverse_pass(monkeypatch, shape, pieces, wy):
     assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
 
 
-@pytest.mark.parametrize("shape", [
-    dict(B=4, T=2048, H=4, HV=4),                # dense sequences, one value head per query head
-    dict(B=2, T=4096, H=2, HV=4),                # grouped value heads
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=4, T=2048, H=4, HV=4), 1),           # dense sequences, one value head per query head
+    (dict(B=2, T=4096, H=2, HV=4), 1),           # grouped value heads
+    (dict(B=1, T=8192, H=2, HV=2), 4),           # one long sequence in pieces (their walks in the kernel)
 ])
-def test_fused_backward(monkeypatch, shape):
+def test_fused_backward(monkeypatch, shape, pieces):
     """The fused backward (stages/backward_fused_gluon.py.j2, override gluon_fused_bwd): one launch in place of
     the reverse pass, the wy stage and the chunk stage, every gradient within #10's bars of float64 and within
     1.25x of the Triton stages' errors (V_new recomputed from the 16-bit h: docs/fused_backward.md section 11)."""
@@ -340,12 +341,12 @@ def test_fused_backward(monkeypatch, shape):
     module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
     errors = {}
     for fused in (True, False):
-        with override(NAME, "gluon_fused_bwd", value=fused), override(NAME, "state_pieces", value=1), \
+        with override(NAME, "gluon_fused_bwd", value=fused), override(NAME, "state_pieces", value=pieces), \
                 override(NAME, "gluon_state_bwd", value=fused), override(NAME, "gluon_chunk_bwd", value=fused), \
                 override(NAME, "gluon_wy_bwd", value=fused), poisoned_memory():
             errors[fused] = gradient_errors(NAME, {}, dtype=torch.bfloat16, device="cuda", seed=39, K=128, V=128,
                                             **shape)
-    assert launches == [shape["B"]]
+    assert launches == [pieces * shape["B"]]
     bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2}
     assert all(errors[True][n] <= bars[n] for n in bars), errors
     assert all(errors[True][n] <= 1.25 * errors[False][n] for n in errors[True]), errors
