@@ -510,13 +510,15 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
 FUSED_ERROR_SLACK = 1.25
 
 
-@pytest.mark.parametrize("shape, h0, pieces", [
-    (dict(B=2, T=256, H=2, HV=2), True, 1),      # dense sequences, dh0 and the final state's gradient
-    (dict(B=1, T=192, H=1, HV=2), False, 1),     # grouped value heads; no initial state: no dh0
-    (dict(B=1, T=512, H=1, HV=2), True, 4),      # pieces: each walks on over the chunks after it first
+@pytest.mark.parametrize("shape, h0, pieces, dtype", [
+    (dict(B=2, T=256, H=2, HV=2), True, 1, torch.bfloat16),     # dense sequences, dh0 and the final state's
+                                                                # gradient
+    (dict(B=1, T=192, H=1, HV=2), False, 1, torch.bfloat16),    # grouped value heads; no initial state: no dh0
+    (dict(B=1, T=512, H=1, HV=2), True, 4, torch.bfloat16),     # pieces: each walks on over the chunks after it
+    (dict(B=1, T=256, H=2, HV=2), True, 1, torch.float16),      # float16 (the kept T's dtype too)
 ])
 @pytest.mark.parametrize("at_issue", [False, True])
-def test_fused_backward(emulated, shape, h0, pieces, at_issue):
+def test_fused_backward(emulated, shape, h0, pieces, dtype, at_issue):
     """The fused backward (stages/backward_fused_gluon.py.j2, override gluon_fused_bwd): one launch in place of
     the reverse pass, the wy stage and the chunk stage, every gradient (dh0 included) within #10's bars of float64
     and within FUSED_ERROR_SLACK of the Triton stages' errors (which, like it, round a head group's dq and dk per
@@ -524,7 +526,7 @@ def test_fused_backward(emulated, shape, h0, pieces, at_issue):
     before its last reader's step has passed is overwritten under it)."""
     module, launches = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=51, K=128, V=128, h0=h0, **shape)
+    inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=51, K=128, V=128, h0=h0, **shape)
     grads, errors = {}, {}
     for fused in (True, False):
         for calls in launches.values():
