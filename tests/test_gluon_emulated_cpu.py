@@ -502,14 +502,6 @@ def test_one_chain_reverse_pass_is_the_two_half_pass(emulated, shape, pieces, wy
         assert rel_rmse(grads[True][name], grads[False][name]) <= 2e-4, name
 
 
-# the fused backward's gradient errors against float64, as a multiple of the Triton stages': it recomputes V_new
-# from the 16-bit chunk-start states as FlashQLA does, where the chunk stages read the forward's V_new (formed from
-# the float32 state). With the forward's V_new put in its place the fused kernel agrees with the three Gluon
-# kernels to their roundings (stop 65: q bit for bit, every other error within 4% of theirs); the recompute costs
-# 10-16% (k, q, g) on these shapes
-FUSED_ERROR_SLACK = 1.25
-
-
 @pytest.mark.parametrize("shape, h0, pieces, dtype", [
     (dict(B=2, T=256, H=2, HV=2), True, 1, torch.bfloat16),     # dense sequences, dh0 and the final state's
                                                                 # gradient
@@ -521,9 +513,9 @@ FUSED_ERROR_SLACK = 1.25
 def test_fused_backward(emulated, shape, h0, pieces, dtype, at_issue):
     """The fused backward (stages/backward_fused_gluon.py.j2, override gluon_fused_bwd): one launch in place of
     the reverse pass, the wy stage and the chunk stage, every gradient (dh0 included) within #10's bars of float64
-    and within FUSED_ERROR_SLACK of the Triton stages' errors (which, like it, round a head group's dq and dk per
-    value head before their sum), on NaN-poisoned buffers. ``at_issue``: loads land when issued (a tile reloaded
-    before its last reader's step has passed is overwritten under it)."""
+    and as close as the Triton stages' (5% slack; they, like it, round a head group's dq and dk per value head
+    before their sum), on NaN-poisoned buffers. ``at_issue``: loads land when issued (a tile reloaded before its
+    last reader's step has passed is overwritten under it)."""
     module, launches = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=51, K=128, V=128, h0=h0, **shape)
@@ -544,7 +536,7 @@ def test_fused_backward(emulated, shape, h0, pieces, dtype, at_issue):
         assert not grads[True][name].isnan().any(), name
         errors[name] = {fused: rel_rmse(grads[fused][name], want[name]) for fused in (True, False)}
     assert all(errors[n][True] <= BARS[n] for n in want), errors
-    assert all(errors[n][True] <= FUSED_ERROR_SLACK * errors[n][False] for n in errors), errors
+    assert all(errors[n][True] <= 1.05 * errors[n][False] for n in errors), errors
 
 
 @pytest.mark.parametrize("shape, pieces", [

@@ -335,8 +335,8 @@ def test_one_chain_reverse_pass(monkeypatch, shape, pieces, wy):
 ])
 def test_fused_backward(monkeypatch, shape, pieces):
     """The fused backward (stages/backward_fused_gluon.py.j2, override gluon_fused_bwd): one launch in place of
-    the reverse pass, the wy stage and the chunk stage, every gradient within #10's bars of float64 and within
-    1.25x of the Triton stages' errors (V_new recomputed from the 16-bit h: docs/fused_backward.md section 11)."""
+    the reverse pass, the wy stage and the chunk stage, every gradient within #10's bars of float64 and as close
+    as the Triton stages' (5% slack)."""
     from gdngen.selfcheck import gradient_errors
     module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
     errors = {}
@@ -349,4 +349,4 @@ def test_fused_backward(monkeypatch, shape, pieces):
     assert launches == [pieces * shape["B"]]
     bars = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2}
     assert all(errors[True][n] <= bars[n] for n in bars), errors
-    assert all(errors[True][n] <= 1.25 * errors[False][n] for n in errors[True]), errors
+    assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
