@@ -367,30 +367,14 @@ def _tensors(pieces: int, heads: int, NT: int, device: str):
 
 
 def offline(regs):
-    """Compile for sm_90a without a GPU: registers, stack and shared memory per partition."""
-    import re
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    from gdngen.compilecheck import ptxas_report
+    """Compile for sm_90a without a GPU (benchmarks/offline_sm90.py's compile): registers, stack and shared
+    memory per partition."""
+    from benchmarks.offline_sm90 import _partitions, compile_report
     descs, g, dg, _ = _tensors(1, 2, 4, "cpu")
-    args = dict(descs, g_ptr=g, dg_ptr=dg, NT=4)
-    sig = {n: mangle_type(a) for n, a in args.items()}
-    const = dict(HV=2, K=128, V=128, BT=64, K_REGS=regs[0], A_REGS=regs[1], P_REGS=regs[2], num_warps=4)
-    sig.update({n: "constexpr" for n in const})
-    fn = fused_bwd_schedule
-    src = GluonASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()}, {})
-    cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128})
-    import subprocess
-    import tempfile
-    from benchmarks.offline_sm90 import _partitions
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        report = ptxas_report(cc.asm["ptx"], maxnreg=128, cubin=cubin)
-        bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
-    print("regs K/A/producer", regs, "shared", cc.metadata.shared, report)
+    values = dict(descs, g_ptr=g, dg_ptr=dg, NT=4, HV=2, K=128, V=128, BT=64, K_REGS=regs[0], A_REGS=regs[1],
+                  P_REGS=regs[2], num_warps=4)
+    compiled, report, sass = compile_report(fused_bwd_schedule, values, {"maxnreg": 128})
+    print("regs K/A/producer", regs, "shared", compiled.metadata.shared, report)
     for part in _partitions(sass):
         print("  ", part)
 

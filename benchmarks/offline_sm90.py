@@ -184,11 +184,24 @@ def _adjusted(launches: list, kernels: str, settings: dict) -> list:
     return out
 
 
-def compile_all(launches: list, ptx_dir: str | None) -> list:
-    import importlib
+def compile_report(kernel, values: dict, options: dict) -> tuple:
+    """One launch of ``kernel`` (its arguments' ``values``, constexprs included; ``options``: maxnreg) compiled for
+    sm_90a: (the compiled kernel, ptxas's report, nvdisasm's listing)."""
     import triton
     from gdngen.compilecheck import Launch, compile_sm90, ptxas_report
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # (num_warps: the Gluon kernels' constexpr, the launch's warps)
+    compiled = compile_sm90(Launch(kernel, values, int(values.get("num_warps", 4)), 3),
+                            **{k: v for k, v in options.items() if k not in ("num_warps", "num_stages")})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        report = ptxas_report(compiled.asm["ptx"], maxnreg=options.get("maxnreg"), cubin=cubin)
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+    return compiled, report, sass
+
+
+def compile_all(launches: list, ptx_dir: str | None) -> list:
+    import importlib
     rows, seen = [], set()
     for name, arguments, options, home in launches:
         key = (name, json.dumps(arguments, sort_keys=True, default=str), json.dumps(options, sort_keys=True))
@@ -197,15 +210,9 @@ def compile_all(launches: list, ptx_dir: str | None) -> list:
         seen.add(key)
         kernel = getattr(importlib.import_module(home), name)       # the module's own, or gdngen.runtime's
         values = {n: _argument(d) for n, d in arguments.items()}
-        # (num_warps: the Gluon kernels' constexpr, the launch's warps)
-        compiled = compile_sm90(Launch(kernel, values, int(values.get("num_warps", 4)), 3),
-                                **{k: v for k, v in options.items() if k not in ("num_warps", "num_stages")})
+        compiled, report, sass = compile_report(kernel, values, options)
         constexprs = {n: d[1] for n, d in arguments.items()
                       if d[0] == "value" and n in [kernel.arg_names[i] for i in kernel.constexprs]}
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = os.path.join(tmp, "k.cubin")
-            report = ptxas_report(compiled.asm["ptx"], maxnreg=options.get("maxnreg"), cubin=cubin)
-            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
         if ptx_dir:
             os.makedirs(ptx_dir, exist_ok=True)
             tag = f"{name}_{len(rows)}"
