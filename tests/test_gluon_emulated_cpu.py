@@ -542,8 +542,8 @@ def test_fused_backward(emulated, shape, h0, pieces, dtype, at_issue):
 def test_backward_with_slow_gates_and_the_final_state_alone(emulated):
     """A loss on the final state alone, with gates 50x slower than make_inputs' (a chunk's state decay ~0.8, not
     ~1e-5): the last token's state_decay <S, dS'> term of d(cumsum g), invisible at make_inputs' gates (dropping
-    it failed no test, stop 65), is then most of it. The three Gluon kernels and the fused one against float64
-    and the Triton stages."""
+    it failed no test, stop 65), is then most of it. The Triton stages within #10's bars of float64, the three
+    Gluon kernels and the fused one within 5% of their errors."""
     module, _ = emulated
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=81, K=128, V=128, h0=True,
@@ -561,7 +561,7 @@ def test_backward_with_slow_gates_and_the_final_state_alone(emulated):
     for run in ("fused", "three"):
         errors = {n: (rel_rmse(grads[run][n], want[n]), rel_rmse(grads["triton"][n], want[n]))
                   for n in want if n != "q"}          # (no output gradient: dq is zero)
-        assert all(mine <= BARS[n] and mine <= 1.05 * theirs for n, (mine, theirs) in errors.items()), (run, errors)
+        assert all(mine <= 1.05 * theirs and theirs <= BARS[n] for n, (mine, theirs) in errors.items()), (run, errors)
     assert not grads["fused"]["q"].any() and not grads["three"]["q"].any()
 
 
