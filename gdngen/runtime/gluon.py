@@ -193,10 +193,10 @@ def reverse_wy_enabled(spec_name: str) -> bool:
 
 def fused_bwd_enabled(spec_name: str) -> bool:
     """Whether the backward runs as one fused Gluon kernel (stages/backward_fused_gluon.py.j2: the reverse pass,
-    the wy stage and the chunk stage on FlashQLA's schedule, docs/fused_backward.md section 11) where it can: the
-    Gluon reverse pass's conditions with the forward's 16-bit T (pieces of a long sequence each walk first, as
-    in the reverse pass). Off by default until a GPU measures it: ``override(spec, "gluon_fused_bwd", value=True)`` turns it on (tests compare it with the
-    three kernels)."""
+    the wy stage and the chunk stage in FlashQLA's lockstep manner, docs/fused_backward.md section 11) where it
+    can: the Gluon reverse pass's conditions with the forward's 16-bit T, h and V_new (pieces of a long sequence
+    each walk first, as in the reverse pass). Off by default until a GPU measures it: ``override(spec,
+    "gluon_fused_bwd", value=True)`` turns it on (tests compare it with the three kernels)."""
     forced = _OVERRIDES.get((spec_name, "gluon_fused_bwd"))
     return False if forced is None else bool(forced["value"])
 
