@@ -1,0 +1,147 @@
+"""Where a chunk's time goes in the fused backward (stop 66): each consumer's arrival at every step's barrier and
+its release from it, read from the SM's cycle counter (%clock64).
+
+The fused kernel (templates/stages/backward_fused_gluon.py.j2) runs three consumers in lockstep: a chunk takes the
+sum over its seven steps of the slowest consumer's share, plus the barriers' own latency. This copies the built
+module, has every ``_fused_meet`` of the three consumers record its two cycle counts for the first programs'
+chunks into a device buffer (its address baked into the copy), runs the backward, and prints, per step, the median
+cycles of the step, of each consumer's work in it, of the barrier's wake-up after the last arrival, and which
+consumer arrived last. The copy is a measuring instrument: the module under test is not changed.
+
+    python benchmarks/fused_bwd_trace.py [--cases "8,2048,16,16 4,8192,16,32"] [--out DIR]     # a Hopper GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+CONSUMERS = ("_fused_state", "_fused_keys", "_fused_scores")     # S, K, A in docs/fused_backward.md section 11
+NAMES = ("S", "K", "A")
+NSTEP = 7
+
+TRACED_MEET = '''
+
+@gluon_jit
+def _fused_meet_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
+    """_fused_meet, recording this consumer's cycle counter at its arrival and at its release (measuring copy)."""
+    t_arrive = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    fence_async_shared()
+    mbarrier.arrive(steps.index(s), count=1)
+    mbarrier.wait(steps.index(s), phase)
+    t_release = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    pid = gl.program_id(0)
+    if (pid < PROGRAMS) & (i < CHUNKS):
+        base = (pid.to(gl.int64) * 0 + ADDRESS).to(gl.pointer_type(gl.int64))
+        slot = (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2
+        gl.store(base + slot, t_arrive)
+        gl.store(base + slot + 1, t_release)
+'''
+
+
+def traced_source(source: str, address: int, programs: int, chunks: int) -> str:
+    """The module's source with the three consumers' meets recording into the buffer at ``address``."""
+    head, sep, rest = source.partition("\n\n@gluon_jit\ndef _fused_producer(")
+    if not sep:
+        raise ValueError("the module has no fused backward (_fused_producer)")
+    meet = (TRACED_MEET.replace("PROGRAMS", str(programs)).replace("CHUNKS", str(chunks))
+            .replace("ADDRESS", str(address)))
+    rest = sep + rest
+    for who, name in enumerate(CONSUMERS):
+        start = rest.index(f"def {name}(")
+        end = rest.index("\n@gluon_jit\n", start)
+        body, n = re.subn(r"_fused_meet\(steps, (\d), ph\)", rf"_fused_meet_traced(steps, \1, ph, {who}, i)",
+                          rest[start:end])
+        if n != NSTEP:
+            raise ValueError(f"{name}: {n} meets, expected {NSTEP}")
+        rest = rest[:start] + body + rest[end:]
+    return head + meet + rest
+
+
+def summarise(trace: torch.Tensor, nt: int):
+    """Per step: medians over the traced (program, chunk) pairs, chunks 1 .. nt - 2 (away from the ends)."""
+    t = trace.cpu().long()                                     # [P, C, 3, 7, 2]
+    rows, chunk_cycles = [], []
+    for s in range(NSTEP):
+        length, work, wake, last = [], [[] for _ in NAMES], [], [0, 0, 0]
+        for p in range(t.shape[0]):
+            for i in range(1, min(t.shape[1], nt - 1)):
+                arrive, release = t[p, i, :, s, 0], t[p, i, :, s, 1]
+                prev = t[p, i, :, s - 1, 1] if s > 0 else t[p, i - 1, :, NSTEP - 1, 1]
+                length.append(int(release.max() - prev.max()))
+                for c in range(3):
+                    work[c].append(int(arrive[c] - prev[c]))
+                wake.append(int(release.max() - arrive.max()))
+                last[int(arrive.argmax())] += 1
+        rows.append(dict(step=s, cycles=statistics.median(length),
+                         **{f"{n}_work": statistics.median(w) for n, w in zip(NAMES, work)},
+                         wake=statistics.median(wake), last_arrival=dict(zip(NAMES, last))))
+    for p in range(t.shape[0]):
+        for i in range(2, min(t.shape[1], nt - 1)):
+            chunk_cycles.append(int(t[p, i, :, NSTEP - 1, 1].max() - t[p, i - 1, :, NSTEP - 1, 1].max()))
+    return rows, statistics.median(chunk_cycles)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="8,2048,16,16 4,8192,16,32")
+    parser.add_argument("--module", default=str(ROOT / "generated" / "gated_delta_rule.py"))
+    parser.add_argument("--programs", type=int, default=4)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    from benchmarks.fused_probe import inputs, load_module
+    from benchmarks.tuner_timing_check import kernel_times
+    from gdngen.runtime import override
+
+    chunks = 128
+    trace = torch.zeros(args.programs, chunks, 3, NSTEP, 2, dtype=torch.int64, device="cuda")
+    folder = Path(tempfile.mkdtemp(prefix="fused_trace_"))
+    path = folder / "gated_delta_rule_traced.py"
+    path.write_text(traced_source(Path(args.module).read_text(), trace.data_ptr(), args.programs, chunks))
+    modules = dict(plain=load_module(Path(args.module), "gdr_plain"), traced=load_module(path, "gdr_traced"))
+    out = open(Path(args.out) / "fused_bwd_trace.jsonl", "a")
+    gpu = torch.cuda.get_device_name()
+    for case in args.cases.split():
+        B, T, H, HV = map(int, case.split(","))
+        x = inputs(B, T, H, HV, grad=True)
+        do = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
+
+        def step(module):
+            o, _ = module.chunk_gated_delta_rule(**x, use_qk_l2norm_in_kernel=False, output_final_state=False)
+            o.backward(do)
+
+        kernel_us = {}
+        with override("gated_delta_rule", "gluon_fused_bwd", value=True):
+            for label, module in modules.items():
+                step(module)                                   # compile
+                kernel_us[label] = kernel_times(lambda module=module: step(module), reps=10, grad=True).get(
+                    "_fused_bwd_gluon_kernel")
+            trace.zero_()
+            with torch.enable_grad():
+                step(modules["traced"])
+            torch.cuda.synchronize()
+        rows, chunk = summarise(trace, T // 64)
+        record = dict(gpu=gpu, B=B, T=T, H=H, HV=HV, kernel_us=kernel_us, chunk_cycles=chunk, steps=rows)
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+        print(f"\n{gpu} ({B},{T},{H},{HV}): fused kernel {kernel_us['plain']} us (traced copy "
+              f"{kernel_us['traced']}); a chunk {chunk} cycles")
+        print("step  cycles  " + "  ".join(f"{n}_work" for n in NAMES) + "  wake  last arrival (S/K/A)")
+        for r in rows:
+            la = r["last_arrival"]
+            print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
+                  + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""benchmarks/fused_bwd_trace.py: the measuring copy of the fused backward and the per-step summary (CPU)."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.fused_bwd_trace import NSTEP, summarise, traced_source
+
+MODULE = Path(__file__).resolve().parent.parent / "generated" / "gated_delta_rule.py"
+
+
+def test_traced_source_records_every_consumer_meet():
+    source = MODULE.read_text()
+    traced = traced_source(source, address=0x7F0000001000, programs=3, chunks=16)
+    ast.parse(traced)
+    assert "_fused_meet(steps," not in traced.split("def _fused_producer(")[1].split("def _fused_bwd_gluon_kernel(")[0]
+    for who, name in enumerate(("_fused_state", "_fused_keys", "_fused_scores")):
+        body = traced.split(f"def {name}(")[1].split("\n@gluon_jit\n")[0]
+        assert [f"_fused_meet_traced(steps, {s}, ph, {who}, i)" in body for s in range(NSTEP)] == [True] * NSTEP
+    assert str(0x7F0000001000) in traced and "pid < 3" in traced and "i < 16" in traced
+    # undone (the added function out, the calls back), it is the module's text
+    start = traced.index("\n\n@gluon_jit\ndef _fused_meet_traced(")
+    end = traced.index("\n\n@gluon_jit\ndef _fused_producer(")
+    undone = re.sub(r"_fused_meet_traced\(steps, (\d), ph, \d, i\)", r"_fused_meet(steps, \1, ph)",
+                    traced[:start] + traced[end:])
+    assert undone == source
+
+def test_traced_source_needs_the_fused_kernel():
+    with pytest.raises(ValueError, match="_fused_producer"):
+        traced_source("def f():\n    pass\n", 0, 1, 1)
+
+
+def test_summary_takes_the_last_arrival_and_the_previous_release():
+    # one program, 5 chunks of 1000 cycles; in step s consumer s % 3 arrives last, 100 + 10 s cycles in,
+    # and every consumer is released 20 cycles after it
+    trace = torch.zeros(1, 5, 3, NSTEP, 2, dtype=torch.int64)
+    clock = 0
+    for i in range(5):
+        for s in range(NSTEP):
+            start = clock
+            for c in range(3):
+                trace[0, i, c, s, 0] = start + (100 + 10 * s if c == s % 3 else 50)
+            clock = start + 100 + 10 * s + 20
+            trace[0, i, :, s, 1] = clock
+        clock += 1000 - sum(120 + 10 * s for s in range(NSTEP))
+        trace[0, i, :, NSTEP - 1, 1] = clock
+    rows, chunk = summarise(trace, nt=5)
+    assert chunk == 1000
+    for s in range(NSTEP - 1):
+        assert rows[s]["cycles"] == 120 + 10 * s and rows[s]["wake"] == 20
+        assert rows[s]["last_arrival"] == {n: (3 if c == s % 3 else 0) for c, n in enumerate("SKA")}
+        assert rows[s][f"{'SKA'[s % 3]}_work"] == 100 + 10 * s
