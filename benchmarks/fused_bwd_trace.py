@@ -6,9 +6,11 @@ sum over its seven steps of the slowest consumer's share, plus the barriers' own
 module, has every ``_fused_meet`` of the three consumers record its two cycle counts for the first programs'
 chunks into a device buffer (its address baked into the copy), runs the backward, and prints, per step, the median
 cycles of the step, of each consumer's work in it, of the barrier's wake-up after the last arrival, and which
-consumer arrived last. The copy is a measuring instrument: the module under test is not changed.
+consumer arrived last. ``--marks`` adds probe points inside steps: "K:text" records the K consumer's counter
+where it reaches the first line of its body holding ``text`` (a statement's first line), reported as cycles into
+its step. The copy is a measuring instrument: the module under test is not changed.
 
-    python benchmarks/fused_bwd_trace.py [--cases "8,2048,16,16 4,8192,16,32"] [--out DIR]     # a Hopper GPU
+    python benchmarks/fused_bwd_trace.py [--cases "8,2048,16,16 4,8192,16,32"] [--marks "K:b_x = b_x * b_ku"]
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 CONSUMERS = ("_fused_state", "_fused_keys", "_fused_scores")     # S, K, A in docs/fused_backward.md section 11
 NAMES = ("S", "K", "A")
 NSTEP = 7
+MARKS_MAX = 32
 
 TRACED_MEET = '''
 
@@ -46,26 +49,74 @@ def _fused_meet_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
         slot = (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2
         gl.store(base + slot, t_arrive)
         gl.store(base + slot + 1, t_release)
+
+
+@gluon_jit
+def _fused_mark(who: gl.constexpr, m: gl.constexpr, i):
+    """This consumer's cycle counter at probe point m (measuring copy)."""
+    t_here = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    pid = gl.program_id(0)
+    if (pid < PROGRAMS) & (i < CHUNKS):
+        base = (pid.to(gl.int64) * 0 + MARK_ADDRESS).to(gl.pointer_type(gl.int64))
+        gl.store(base + ((pid * CHUNKS + i) * 3 + who) * MARKS_MAX + m, t_here)
 '''
 
 
-def traced_source(source: str, address: int, programs: int, chunks: int) -> str:
-    """The module's source with the three consumers' meets recording into the buffer at ``address``."""
+def traced_source(source: str, address: int, programs: int, chunks: int, marks=(), mark_address: int = 0) -> str:
+    """The module's source with the three consumers' meets recording into the buffer at ``address``, and a probe
+    before the first line holding each mark's text ((consumer index, text) pairs) into the one at
+    ``mark_address``."""
     head, sep, rest = source.partition("\n\n@gluon_jit\ndef _fused_producer(")
     if not sep:
         raise ValueError("the module has no fused backward (_fused_producer)")
     meet = (TRACED_MEET.replace("PROGRAMS", str(programs)).replace("CHUNKS", str(chunks))
+            .replace("MARKS_MAX", str(MARKS_MAX)).replace("MARK_ADDRESS", str(mark_address))
             .replace("ADDRESS", str(address)))
+    if len(marks) > MARKS_MAX:
+        raise ValueError(f"marks: at most {MARKS_MAX}, got {len(marks)}")
     rest = sep + rest
     for who, name in enumerate(CONSUMERS):
         start = rest.index(f"def {name}(")
         end = rest.index("\n@gluon_jit\n", start)
+        lines = rest[start:end].split("\n")
+        for m, (mark_who, text) in enumerate(marks):
+            if mark_who != who:
+                continue
+            at = next((j for j, line in enumerate(lines) if text in line and "_fused_mark(" not in line), None)
+            if at is None:
+                raise ValueError(f"marks: no line of {name} holds {text!r}")
+            indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+            lines.insert(at, f"{indent}_fused_mark({who}, {m}, i)")
         body, n = re.subn(r"_fused_meet\(steps, (\d), ph\)", rf"_fused_meet_traced(steps, \1, ph, {who}, i)",
-                          rest[start:end])
+                          "\n".join(lines))
         if n != NSTEP:
             raise ValueError(f"{name}: {n} meets, expected {NSTEP}")
         rest = rest[:start] + body + rest[end:]
     return head + meet + rest
+
+
+def mark_steps(traced: str, marks) -> list:
+    """Each mark's step: the meets before its probe in its consumer's body."""
+    steps = []
+    for m, (who, _) in enumerate(marks):
+        body = traced[traced.index(f"def {CONSUMERS[who]}("):]
+        body = body[:body.index(f"_fused_mark({who}, {m}, i)")]
+        steps.append(body.count("_fused_meet_traced(steps,"))
+    return steps
+
+
+def summarise_marks(trace: torch.Tensor, marks_trace: torch.Tensor, marks, steps, nt: int) -> list:
+    """Per mark: the median cycles from its consumer's release into the step (the previous step's) to the probe."""
+    t, k = trace.cpu().long(), marks_trace.cpu().long()
+    rows = []
+    for m, ((who, text), s) in enumerate(zip(marks, steps)):
+        into = []
+        for p in range(t.shape[0]):
+            for i in range(1, min(t.shape[1], nt - 1)):
+                release = t[p, i, who, s - 1, 1] if s > 0 else t[p, i - 1, who, NSTEP - 1, 1]
+                into.append(int(k[p, i, who, m] - release))
+        rows.append(dict(mark=f"{NAMES[who]}:{text}", step=s, cycles_into_step=statistics.median(into)))
+    return rows
 
 
 def summarise(trace: torch.Tensor, nt: int):
@@ -97,6 +148,7 @@ def main():
     parser.add_argument("--cases", default="8,2048,16,16 4,8192,16,32")
     parser.add_argument("--module", default=str(ROOT / "generated" / "gated_delta_rule.py"))
     parser.add_argument("--programs", type=int, default=4)
+    parser.add_argument("--marks", default="", help='probe points, ";"-separated "S|K|A:text of a line"')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs, load_module
@@ -104,10 +156,15 @@ def main():
     from gdngen.runtime import override
 
     chunks = 128
+    marks = [(NAMES.index(m.split(":", 1)[0]), m.split(":", 1)[1]) for m in args.marks.split(";") if m]
     trace = torch.zeros(args.programs, chunks, 3, NSTEP, 2, dtype=torch.int64, device="cuda")
+    marks_trace = torch.zeros(args.programs, chunks, 3, MARKS_MAX, dtype=torch.int64, device="cuda")
     folder = Path(tempfile.mkdtemp(prefix="fused_trace_"))
     path = folder / "gated_delta_rule_traced.py"
-    path.write_text(traced_source(Path(args.module).read_text(), trace.data_ptr(), args.programs, chunks))
+    traced = traced_source(Path(args.module).read_text(), trace.data_ptr(), args.programs, chunks, marks,
+                           marks_trace.data_ptr())
+    path.write_text(traced)
+    steps = mark_steps(traced, marks)
     modules = dict(plain=load_module(Path(args.module), "gdr_plain"), traced=load_module(path, "gdr_traced"))
     out = open(Path(args.out) / "fused_bwd_trace.jsonl", "a")
     gpu = torch.cuda.get_device_name()
@@ -127,11 +184,14 @@ def main():
                 kernel_us[label] = kernel_times(lambda module=module: step(module), reps=10, grad=True).get(
                     "_fused_bwd_gluon_kernel")
             trace.zero_()
+            marks_trace.zero_()
             with torch.enable_grad():
                 step(modules["traced"])
             torch.cuda.synchronize()
         rows, chunk = summarise(trace, T // 64)
-        record = dict(gpu=gpu, B=B, T=T, H=H, HV=HV, kernel_us=kernel_us, chunk_cycles=chunk, steps=rows)
+        mark_rows = summarise_marks(trace, marks_trace, marks, steps, T // 64)
+        record = dict(gpu=gpu, B=B, T=T, H=H, HV=HV, kernel_us=kernel_us, chunk_cycles=chunk, steps=rows,
+                      marks=mark_rows)
         out.write(json.dumps(record) + "\n")
         out.flush()
         print(f"\n{gpu} ({B},{T},{H},{HV}): fused kernel {kernel_us['plain']} us (traced copy "
@@ -141,6 +201,8 @@ def main():
             la = r["last_arrival"]
             print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
                   + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
+        for r in mark_rows:
+            print(f"  step {r['step']}  +{r['cycles_into_step']:>7}  {r['mark']}")
 
 
 if __name__ == "__main__":

@@ -52,3 +52,16 @@ def test_summary_takes_the_last_arrival_and_the_previous_release():
         assert rows[s]["cycles"] == 120 + 10 * s and rows[s]["wake"] == 20
         assert rows[s]["last_arrival"] == {n: (3 if c == s % 3 else 0) for c, n in enumerate("SKA")}
         assert rows[s][f"{'SKA'[s % 3]}_work"] == 100 + 10 * s
+
+
+def test_marks_go_before_their_lines_and_know_their_step():
+    from benchmarks.fused_bwd_trace import mark_steps
+    marks = [(1, "b_x = b_x * b_ku[:, None]"), (2, "drr_s.store"), (0, "b_ds = warpgroup_mma_wait(0")]
+    traced = traced_source(MODULE.read_text(), 1, 2, 8, marks, mark_address=2)
+    lines = traced.splitlines()
+    for m, (who, text) in enumerate(marks):
+        at = next(j for j, line in enumerate(lines) if f"_fused_mark({who}, {m}, i)" in line)
+        assert text in lines[at + 1] and lines[at].startswith(lines[at + 1][:8])
+    assert mark_steps(traced, marks) == [0, 2, 5]
+    with pytest.raises(ValueError, match="no line of _fused_keys"):
+        traced_source(MODULE.read_text(), 1, 2, 8, [(1, "not a line of it")], 2)
