@@ -81,6 +81,9 @@ def test_piece_tables_number_chunks_as_the_unsplit_pass():
     assert tables.cu_seqlens.tolist() == [0, 80, 160, 200, 280, 360, 400]
     assert tables.chunk_offsets.tolist() == [0, 5, 10, 13, 18, 23]
     assert tables.piece_seq.tolist() == [[0, 0]] * 3 + [[200, 1]] * 3
+    per_piece = torch.arange(6 * 2).view(6, 2)                   # row p: piece p's [2] values
+    assert tables.first(per_piece).tolist() == [[0, 1], [6, 7]]
+    assert tables.last(per_piece).tolist() == [[4, 5], [10, 11]]
 
 
 def test_piece_count_fills_the_sms_only_where_programs_are_few():

@@ -55,6 +55,16 @@ class PieceTables:
         self.chunk_offsets = torch.tensor([b * NT + c for b, c in firsts], **as_int32)
         self.piece_seq = torch.tensor([[b * T, b] for b, _ in firsts], **as_int32)
 
+    def first(self, per_piece: torch.Tensor) -> torch.Tensor:
+        """Each sequence's first piece's row of a per-piece ``[P, ...]`` tensor (its start-state gradient):
+        a ``[B, ...]`` view."""
+        return per_piece.view(-1, self.per_sequence, *per_piece.shape[1:])[:, 0]
+
+    def last(self, per_piece: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last piece's row of a per-piece ``[P, ...]`` tensor (its final state): a ``[B, ...]``
+        view."""
+        return per_piece.view(-1, self.per_sequence, *per_piece.shape[1:])[:, -1]
+
 
 _PIECE_TABLES: dict = {}
 
