@@ -328,9 +328,12 @@ def emulated():
 
 
 @contextlib.contextmanager
-def _switched(gluon, pieces, **switches):
+def _switched(gluon, pieces, fused_default=False, **switches):
     """Every Gluon switch at ``gluon`` (those in ``switches`` at theirs), ``pieces`` state pieces, fresh buffers
-    NaN-poisoned."""
+    NaN-poisoned. The fused backward only where ``switches`` asks for it (or, ``fused_default``, where the module
+    chooses it by default): the other tests check the three kernels it replaces."""
+    if not fused_default:
+        switches.setdefault("gluon_fused_bwd", False)
     with contextlib.ExitStack() as stack:
         for switch in SWITCHES:
             stack.enter_context(override(NAME, switch, value=switches.get(switch, gluon)))
@@ -569,11 +572,14 @@ def test_backward_with_slow_gates_and_the_final_state_alone(emulated):
     (dict(B=1, T=256, H=2, HV=2), 2),
 ])
 def test_fused_backward_only_where_it_can(emulated, shape, pieces):
-    """The switch is off by default; on, a backward that reads W rather than forming it from the forward's 16-bit
-    T (override gluon_w_from_t off) keeps the three kernels."""
+    """The switch is on by default, so that a default backward runs the fused kernel with or without grouped value
+    heads; on, a backward that reads W rather than forming it from the forward's 16-bit T (override
+    gluon_w_from_t off) keeps the three kernels."""
     from gdngen.runtime.gluon import fused_bwd_enabled
     module, launches = emulated
-    assert not fused_bwd_enabled(NAME)
+    assert fused_bwd_enabled(NAME)
+    with override(NAME, "gluon_fused_bwd", value=False):
+        assert not fused_bwd_enabled(NAME)
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=53, K=128, V=128, h0=True, **shape)
     for calls in launches.values():
@@ -582,6 +588,16 @@ def test_fused_backward_only_where_it_can(emulated, shape, pieces):
         grads, _ = _forward_backward(module, spec, inputs, seed=54)
     assert launches["_fused_bwd_gluon"] == [] and launches["_chunk_bwd_gluon"] == [0]
     assert not any(g.isnan().any() for g in grads.values())
+    # the module's default: the fused kernel, with one value head per query head and with a group of two
+    for heads in (dict(H=1, HV=1), dict(H=1, HV=2)):
+        inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=55, K=128, V=128, h0=True, B=1, T=128,
+                             **heads)
+        for calls in launches.values():
+            calls.clear()
+        with _switched(True, 1, fused_default=True):
+            grads, _ = _forward_backward(module, spec, inputs, seed=56)
+        assert (launches["_fused_bwd_gluon"], launches["_chunk_bwd_gluon"]) == ([1], [])
+        assert not any(g.isnan().any() for g in grads.values())
 
 
 @pytest.mark.parametrize("shape, h0, pieces, dtype", [

@@ -207,7 +207,8 @@ def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs
     reverse pass is taken (its usable check patched; the pass itself a stand-in that records what it was
     given and stops the backward: Gluon does not run on the CPU) and whether W is formed from T. Returns,
     per run, the Triton walks' (INTRA, W_FROM_T, end gradients), the intra and wy_prep stages' launch counts
-    and the stand-in's keywords plus its ``dht`` (None where the Triton pass ran)."""
+    and the stand-in's keywords plus its ``dht`` (None where the Triton pass ran). The fused backward, which
+    would take the pass's place, is off."""
     from gdngen.selfcheck import call, make_inputs, poisoned_memory
     name = "gated_delta_rule"
     spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
@@ -236,6 +237,7 @@ def _backward_before_the_gluon_pass(monkeypatch, count_launches, *, pieces, runs
             counter.count = 0
         monkeypatch.setattr(module, "state_bwd_usable", lambda *a, **kw: usable)
         with override(name, "state_pieces", value=pieces), override(name, "gluon_w_from_t", value=w_from_t), \
+                override(name, "gluon_fused_bwd", value=False), \
                 poisoned_memory():
             o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True, chunk_size=16)
             cotangents = (torch.ones_like(o), torch.ones_like(ht))
@@ -374,7 +376,8 @@ def test_gradients_with_w_formed_from_t(monkeypatch, pieces):
     """Every gradient of the backward that forms W from T in the reverse passes (no wy_prep, no W tensor:
     dW gets memory of its own, and the wy stage still adds its part of dg in a slot of its own) equals the
     one that reads wy_prep's W, with the Triton reverse pass in the Gluon pass's place (float16: the forward
-    keeps a 16-bit T). Stop 37's first GPU run of gluon_w_from_t had dg wrong by 70%: the slot was gone."""
+    keeps a 16-bit T). Stop 37's first GPU run of gluon_w_from_t had dg wrong by 70%: the slot was gone. The
+    fused backward, which would take the pass's place, is off."""
     from gdngen.selfcheck import call, make_inputs, poisoned_memory
     name = "gated_delta_rule"
     spec, module = load_spec(f"specs/{name}.yaml"), importlib.import_module(f"generated.{name}")
@@ -387,6 +390,7 @@ def test_gradients_with_w_formed_from_t(monkeypatch, pieces):
     for usable, w_from_t in [(False, False), (True, False), (True, True)]:
         monkeypatch.setattr(module, "state_bwd_usable", lambda *a, **kw: usable)
         with override(name, "state_pieces", value=pieces), override(name, "gluon_w_from_t", value=w_from_t), \
+                override(name, "gluon_fused_bwd", value=False), \
                 poisoned_memory():
             o, ht = call(module, spec, {**inputs, **leaves}, output_final_state=True, chunk_size=16)
             torch.manual_seed(5)
