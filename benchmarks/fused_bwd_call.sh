@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fused backward on one device call (docs/fused_backward.md, sections 11-12; NOTES, stops 65-66):
 #   1. the GPU tests of the kernel (every gradient against float64 and the Triton stages);
-#   2. the kernel (override gluon_fused_bwd) beside the three backward kernels it replaces, in one process
+#   2. the kernel beside the three backward kernels it replaces (override gluon_fused_bwd off), in one process
 #      (benchmarks/module_ab.py: gradients against the module's, fwd+bwd times, each kernel's device time);
 #   3. its steps, from each consumer's cycle counter (benchmarks/fused_bwd_trace.py);
 #   a short table last. Every result goes under $OUT as it is measured. Stop 66 ran these by hand over five calls
@@ -9,11 +9,15 @@
 # On the device machine, from the repository root:
 #   export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/fused_bwd_call.sh [cases]     # cases default: two of the #10 training rows
+# The fused kernel is the default since stop 67, so the A/B is the module beside its three-kernel backward
+# (switch gluon_fused_bwd=0); with BASE=path/to/an/older/rendering.py (carried: variant_tmp/, e.g. made by
+# `git show <commit>:generated/gated_delta_rule.py > variant_tmp/gdr_base.py`) that module comes first.
 set -u
 cases=${1:-"8,2048,16,16 1,32768,32,32"}
+modules="${BASE:+$BASE }generated/gated_delta_rule.py"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader > "$OUT/gpu.txt"
 case $(cat "$OUT/gpu.txt") in *H200*) card=h200;; *) card=h100;; esac
-timeout 150 python benchmarks/module_ab.py --modules generated/gated_delta_rule.py --switches gluon_fused_bwd=1 \
+timeout 150 python benchmarks/module_ab.py --modules "$modules" --switches gluon_fused_bwd=0 \
     --cases "$cases" --profile --profile-rounds 3 --out "$OUT/$card-fused-ab.jsonl" > "$OUT/ab.log" 2>&1
 timeout 90 python benchmarks/fused_bwd_trace.py --cases "8,2048,16,16" --out "$OUT" > "$OUT/$card-trace.txt" 2>&1
 timeout 120 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k fused_backward -p no:cacheprovider \
