@@ -32,23 +32,29 @@ def test_partitions_are_split_at_setmaxnreg_and_count_serialised_wgmmas():
     assert scores["serial"] == 1            # the first wgmma is waited for at once, the second after other work
 
 
-@pytest.mark.parametrize("switches, reverse", [({}, "_state_bwd_gluon_kernel"),
-                                               ({"gluon_one_chain_bwd": True, "gluon_reverse_wy": True},
-                                                "_reverse_gluon_kernel")])
-def test_a_training_step_records_each_gluon_launch_with_its_constexprs(switches, reverse):
+@pytest.mark.parametrize("switches, reverse, others", [
+    ({}, "_fused_bwd_gluon_kernel", ()),                              # the default since stop 67
+    ({"gluon_fused_bwd": False}, "_state_bwd_gluon_kernel", ("_chunk_bwd_gluon_kernel", "_wy_bwd_gluon_kernel")),
+    ({"gluon_fused_bwd": False, "gluon_one_chain_bwd": True, "gluon_reverse_wy": True}, "_reverse_gluon_kernel",
+     ("_chunk_bwd_gluon_kernel",)),                                   # the wy stage folded into the pass
+])
+def test_a_training_step_records_each_gluon_launch_with_its_constexprs(switches, reverse, others):
     launches = record("gated_delta_rule", (1, 128, 2, 4), (128, 128), "fwd+bwd", switches)
     names = [launch[0] for launch in launches]
-    assert names[0] == "_state_output_gluon_kernel" and reverse in names
-    assert "_chunk_bwd_gluon_kernel" in names
-    assert ("_wy_bwd_gluon_kernel" in names) == (not switches)        # folded into the pass with gluon_reverse_wy
+    backward = {"_fused_bwd_gluon_kernel", "_state_bwd_gluon_kernel", "_reverse_gluon_kernel",
+                "_chunk_bwd_gluon_kernel", "_wy_bwd_gluon_kernel"}
+    assert names[0] == "_state_output_gluon_kernel"
+    assert backward & set(names) == {reverse, *others}
     arguments, options, home = next((a, o, m) for n, a, o, m in launches if n == reverse)
     assert home == "generated.gated_delta_rule"
     assert options["maxnreg"] in (128, 168)
     assert arguments["K"] == ("value", 128) and arguments["BT"] == ("value", 64)
-    if switches:
+    if "gluon_reverse_wy" in switches:
         assert arguments["WY"] == ("value", True)
         kind, dtype, shape, block = arguments["h_desc"]
         assert (kind, dtype, block) == ("desc", "torch.bfloat16", [128, 128])
+
+
 def test_ptxas_report_reads_spills_stack_and_serialised_wgmmas(monkeypatch, tmp_path):
     """compilecheck.ptxas_report (this tool's and `gdngen check --compile-sm90`'s) on ptxas -v's text: the
     register cap passed on, spills, stack and C7512's reason (stop 56's one-chain pass printed this)."""
@@ -111,7 +117,7 @@ def test_the_call_records_as_asked(mode, pieces, final_state):
     assert passes[-1]["IS_VARLEN"] == ("value", as_pieces)
     assert passes[-1]["STORE_FINAL_STATE"] == ("value", as_pieces)
     if mode == "fwd+bwd":
-        reverse = next(a for name, a, _, _ in launches if name == "_state_bwd_gluon_kernel")
+        reverse = next(a for name, a, _, _ in launches if name == "_fused_bwd_gluon_kernel")
         assert reverse["USE_FINAL_GRAD"] == ("value", final_state)
 
 
