@@ -62,6 +62,12 @@ def _fused_mark(who: gl.constexpr, m: gl.constexpr, i):
 '''
 
 
+def parse_marks(text: str) -> list:
+    """``--marks`` text, ";"-separated "S|K|A:text of a line" (a newline at the end allowed), as (consumer index,
+    text) pairs."""
+    return [(NAMES.index(m.split(":", 1)[0]), m.split(":", 1)[1]) for m in text.strip().split(";") if m]
+
+
 def traced_source(source: str, address: int, programs: int, chunks: int, marks=(), mark_address: int = 0) -> str:
     """The module's source with the three consumers' meets recording into the buffer at ``address``, and a probe
     before the first line holding each mark's text ((consumer index, text) pairs) into the one at
@@ -156,7 +162,7 @@ def main():
     from gdngen.runtime import override
 
     chunks = 128
-    marks = [(NAMES.index(m.split(":", 1)[0]), m.split(":", 1)[1]) for m in args.marks.split(";") if m]
+    marks = parse_marks(args.marks)
     trace = torch.zeros(args.programs, chunks, 3, NSTEP, 2, dtype=torch.int64, device="cuda")
     marks_trace = torch.zeros(args.programs, chunks, 3, MARKS_MAX, dtype=torch.int64, device="cuda")
     folder = Path(tempfile.mkdtemp(prefix="fused_trace_"))

@@ -70,9 +70,8 @@ def test_marks_go_before_their_lines_and_know_their_step():
 def test_the_committed_marks_are_lines_of_the_module():
     """benchmarks/fused_bwd_trace_marks.txt, the probe points a device call passes to ``--marks``: each is a line of
     its consumer in the generated module (stop 67's first call with it failed on a line the kernel had lost)."""
-    from benchmarks.fused_bwd_trace import MARKS_MAX, NAMES
-    text = (MODULE.parent.parent / "benchmarks" / "fused_bwd_trace_marks.txt").read_text().strip()
-    marks = [(NAMES.index(m.split(":", 1)[0]), m.split(":", 1)[1]) for m in text.split(";") if m]
+    from benchmarks.fused_bwd_trace import MARKS_MAX, parse_marks
+    marks = parse_marks((MODULE.parent.parent / "benchmarks" / "fused_bwd_trace_marks.txt").read_text())
     assert 0 < len(marks) <= MARKS_MAX
     traced = traced_source(MODULE.read_text(), 0x7F0000001000, 1, 4, marks, 0x7F0000002000)
     ast.parse(traced)
