@@ -542,6 +542,40 @@ def test_fused_backward(emulated, shape, h0, pieces, dtype, at_issue):
     assert all(errors[n][True] <= 1.05 * errors[n][False] for n in errors), errors
 
 
+@pytest.mark.parametrize("heads, pieces", [(dict(H=1, HV=2), 1), (dict(H=2, HV=4), 2), (dict(H=1, HV=4), 1)])
+def test_fused_backward_adds_head_groups_itself(emulated, monkeypatch, heads, pieces):
+    """Grouped value heads: the fused kernel adds each group's dq and dk tiles into [B, T, H, K] outputs by TMA
+    (gdngen.runtime.gluon.fused_group_add, by default for groups of two), where without it it writes them per value
+    head for sum_head_groups. A group of two gives the sum kernel's gradients bit for bit (0 + a, then a + b,
+    rounded once); a group of four, switched on, adds three times, each rounded: within #10's bars of float64."""
+    from gdngen.runtime.gluon import fused_group_add
+    module, launches = emulated
+    group = heads["HV"] // heads["H"]
+    assert fused_group_add(NAME, 2) and not fused_group_add(NAME, 4)
+    sums = []
+    real_sum = module.sum_head_groups
+    monkeypatch.setattr(module, "sum_head_groups", lambda x, H, out=None: sums.append(x.shape) or real_sum(x, H, out))
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=57, K=128, V=128, h0=True, B=1, T=128 * pieces,
+                         **heads)
+    grads = {}
+    for add in (True, False):
+        sums.clear()
+        launches["_fused_bwd_gluon"].clear()
+        with _switched(True, pieces, gluon_fused_bwd=True, gluon_fused_group_add=add):
+            grads[add], cotangents = _forward_backward(module, spec, inputs, seed=58)
+        assert launches["_fused_bwd_gluon"] == [pieces]
+        assert len(sums) == (0 if add else 2)
+    _, _, want = reference_gradients(spec, inputs, cotangents)
+    for name in want:
+        assert not grads[True][name].isnan().any(), name
+        assert rel_rmse(grads[True][name], want[name]) <= BARS[name], name
+        if group == 2 or name not in ("q", "k"):
+            assert torch.equal(grads[True][name], grads[False][name]), name
+        else:
+            assert not torch.equal(grads[True][name], grads[False][name]), name    # the adds round: not the sum's
+
+
 def test_backward_with_slow_gates_and_the_final_state_alone(emulated):
     """A loss on the final state alone, with gates 50x slower than make_inputs' (a chunk's state decay ~0.8, not
     ~1e-5): the last token's state_decay <S, dS'> term of d(cumsum g), invisible at make_inputs' gates (dropping

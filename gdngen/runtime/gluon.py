@@ -39,6 +39,21 @@ except ImportError:                 # a Triton without Gluon's Hopper module
     TensorDescriptor = None
     AVAILABLE = False
 
+if AVAILABLE:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def tma_add(tensor_desc, coord, src, _semantic=None):
+        """The shared tile ``src`` added into the global block at ``coord`` by TMA (cp.reduce.async.bulk.tensor,
+        add; 16-bit floats round once per add in L2), retired by ``tma.store_wait`` as a store is. Triton 3.9's
+        Gluon has it as ``tma.async_atomic_add``; 3.6's builder has the op but no Python name for it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+else:
+    tma_add = None
+
 
 def gl_dtype(dtype: torch.dtype):
     """The Gluon dtype of a 16-bit torch dtype, for a kernel's dtype constexpr (the fused pass's scores)."""
@@ -202,6 +217,18 @@ def fused_bwd_enabled(spec_name: str) -> bool:
     compare the two)."""
     forced = _OVERRIDES.get((spec_name, "gluon_fused_bwd"))
     return True if forced is None else bool(forced["value"])
+
+
+def fused_group_add(spec_name: str, group: int) -> bool:
+    """Whether the fused backward adds the dq and dk tiles of a head group's ``group`` value heads into one
+    [B, T, H, K] output itself (TMA reduce-add into zeros: gdngen.runtime.gluon.tma_add), instead of writing them
+    per value head for ``gdngen.runtime.head_groups.sum_head_groups`` to read back: at (4,8192,16,32) 537 MB
+    written and read again and the sum kernel's 186 us (H200, stop 67) for two 134 MB memsets. By default for
+    groups of two only: 0 + a, then a + b, is the sum kernel's result (two 16-bit values added, rounded once) in
+    either order, so deterministic; with more, the adds' order varies between runs and each rounds to 16 bits.
+    ``override(spec, "gluon_fused_group_add", value=...)`` decides for every group size."""
+    forced = _OVERRIDES.get((spec_name, "gluon_fused_group_add"))
+    return group == 2 if forced is None else bool(forced["value"])
 
 
 def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -> bool:

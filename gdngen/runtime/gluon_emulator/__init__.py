@@ -80,6 +80,7 @@ def runtime_module() -> types.ModuleType:
     module.gl, module.mbarrier, module.tma, module.async_copy = gl, mbarrier, tma, async_copy
     module.warpgroup_mma, module.warpgroup_mma_wait = warpgroup_mma, warpgroup_mma_wait
     module.fence_async_shared = fence_async_shared
+    module.tma_add = tma.async_add
     module.TensorDescriptor = TensorDescriptor
     module.AVAILABLE = True
     module.jit = jit

@@ -267,6 +267,21 @@ def _make_tma():
                 desc.view[box[0]] = smem.data[box[1]]
         _thread().stores.append(store)
 
+    def async_add(desc: TensorDescriptor, coords, smem: SharedMemory):
+        """gdngen.runtime.gluon.tma_add: as a store, but added into global memory (in its dtype) when retired."""
+        _check_tile(desc, smem, "TMA add")
+        coords = [int(c) for c in coords]
+        thread = _thread()
+        with thread.program.cond:
+            _check_fenced(thread, smem, "a TMA add")
+
+        def add():
+            _record_read(smem)
+            box = desc._box(coords)
+            if box is not None:
+                desc.view[box[0]] += smem.data[box[1]]
+        _thread().stores.append(add)
+
     def store_wait(pendings):
         stores = _thread().stores
         while len(stores) > int(pendings):
@@ -275,6 +290,7 @@ def _make_tma():
     tma.async_copy_global_to_shared = async_copy_global_to_shared
     tma.async_copy_shared_to_global = async_copy_shared_to_global
     tma.store_wait = store_wait
+    tma.async_add = async_add
     return tma
 
 
