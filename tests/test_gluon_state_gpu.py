@@ -335,6 +335,34 @@ def test_one_chain_reverse_pass(monkeypatch, shape, pieces, wy):
 
 
 @pytest.mark.parametrize("shape, pieces", [
+    (dict(B=2, T=4096, H=2, HV=4), 1),           # dense sequences
+    (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces
+])
+def test_fused_backward_adds_head_groups_itself(monkeypatch, shape, pieces):
+    """Groups of two value heads (gdngen.runtime.gluon.fused_group_add, on by default): the fused kernel adds each
+    group's dq and dk tiles into [B, T, H, K] outputs by TMA reduce-add, where off it writes them per value head
+    for sum_head_groups. Every gradient bit for bit the same (0 + a, then a + b, rounded once, in either order),
+    on NaN-poisoned buffers, and no sum kernel runs."""
+    module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
+    sums = []
+    real_sum = module.sum_head_groups
+    monkeypatch.setattr(module, "sum_head_groups", lambda x, H, out=None: sums.append(x.shape) or real_sum(x, H, out))
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=26, K=128, V=128, h0=True, **shape)
+    runs = {}
+    for add in (True, False):
+        sums.clear()
+        with override(NAME, "gluon_fused_group_add", value=add), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            _, _, runs[add] = _forward_backward(module, spec, inputs, seed=27)
+        assert len(sums) == (0 if add else 2)
+    assert launches == [pieces * shape["B"]] * 2
+    for name, summed in runs[False].items():
+        assert not summed.isnan().any(), name
+        assert torch.equal(runs[True][name], summed), name
+
+
+@pytest.mark.parametrize("shape, pieces", [
     (dict(B=4, T=2048, H=4, HV=4), 1),           # dense sequences, one value head per query head
     (dict(B=2, T=4096, H=2, HV=4), 1),           # grouped value heads
     (dict(B=1, T=8192, H=2, HV=2), 4),           # one long sequence in pieces (their walks in the kernel)
