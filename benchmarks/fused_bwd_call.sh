@@ -17,7 +17,7 @@ cases=${1:-"8,2048,16,16 1,32768,32,32"}
 modules="${BASE:+$BASE }generated/gated_delta_rule.py"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader > "$OUT/gpu.txt"
 case $(cat "$OUT/gpu.txt") in *H200*) card=h200;; *) card=h100;; esac
-timeout 150 python benchmarks/module_ab.py --modules "$modules" --switches gluon_fused_bwd=0 \
+timeout ${AB_SECONDS:-150} python benchmarks/module_ab.py --modules "$modules" --switches gluon_fused_bwd=0 \
     --cases "$cases" --profile --profile-rounds 3 --out "$OUT/$card-fused-ab.jsonl" > "$OUT/ab.log" 2>&1
 timeout 90 python benchmarks/fused_bwd_trace.py --cases "8,2048,16,16" --out "$OUT" > "$OUT/$card-trace.txt" 2>&1
 timeout 120 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k fused_backward -p no:cacheprovider \
