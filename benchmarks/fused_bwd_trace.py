@@ -52,6 +52,30 @@ def _fused_meet_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
 
 
 @gluon_jit
+def _fused_arrive_traced(steps, s: gl.constexpr, who: gl.constexpr, i):
+    """_fused_arrive, recording this consumer's arrival (a consumer that works on after its arrival: measuring
+    copy)."""
+    t_arrive = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    fence_async_shared()
+    mbarrier.arrive(steps.index(s), count=1)
+    pid = gl.program_id(0)
+    if (pid < PROGRAMS) & (i < CHUNKS):
+        base = (pid.to(gl.int64) * 0 + ADDRESS).to(gl.pointer_type(gl.int64))
+        gl.store(base + (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2, t_arrive)
+
+
+@gluon_jit
+def _fused_wait_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
+    """The wait for step s's end after _fused_arrive, recording its release (measuring copy)."""
+    mbarrier.wait(steps.index(s), phase)
+    t_release = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    pid = gl.program_id(0)
+    if (pid < PROGRAMS) & (i < CHUNKS):
+        base = (pid.to(gl.int64) * 0 + ADDRESS).to(gl.pointer_type(gl.int64))
+        gl.store(base + (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2 + 1, t_release)
+
+
+@gluon_jit
 def _fused_mark(who: gl.constexpr, m: gl.constexpr, i):
     """This consumer's cycle counter at probe point m (measuring copy)."""
     t_here = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
@@ -95,8 +119,12 @@ def traced_source(source: str, address: int, programs: int, chunks: int, marks=(
             lines.insert(at, f"{indent}_fused_mark({who}, {m}, i)")
         body, n = re.subn(r"_fused_meet\(steps, (\d), ph\)", rf"_fused_meet_traced(steps, \1, ph, {who}, i)",
                           "\n".join(lines))
-        if n != NSTEP:
-            raise ValueError(f"{name}: {n} meets, expected {NSTEP}")
+        # a step's end split in two (a consumer that works on after its arrival): its arrival and its wait
+        body, arrivals = re.subn(r"_fused_arrive\(steps, (\d)\)", rf"_fused_arrive_traced(steps, \1, {who}, i)", body)
+        body, waits = re.subn(r"mbarrier\.wait\(steps\.index\((\d)\), ph\)",
+                              rf"_fused_wait_traced(steps, \1, ph, {who}, i)", body)
+        if n + arrivals != NSTEP or waits != arrivals:
+            raise ValueError(f"{name}: {n} meets and {arrivals} arrivals ({waits} waits), expected {NSTEP} steps")
         rest = rest[:start] + body + rest[end:]
     return head + meet + rest
 
@@ -107,7 +135,7 @@ def mark_steps(traced: str, marks) -> list:
     for m, (who, _) in enumerate(marks):
         body = traced[traced.index(f"def {CONSUMERS[who]}("):]
         body = body[:body.index(f"_fused_mark({who}, {m}, i)")]
-        steps.append(body.count("_fused_meet_traced(steps,"))
+        steps.append(body.count("_fused_meet_traced(steps,") + body.count("_fused_arrive_traced(steps,"))
     return steps
 
 

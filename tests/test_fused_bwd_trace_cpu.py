@@ -18,13 +18,20 @@ def test_traced_source_records_every_consumer_meet():
     assert "_fused_meet(steps," not in traced.split("def _fused_producer(")[1].split("def _fused_bwd_gluon_kernel(")[0]
     for who, name in enumerate(("_fused_state", "_fused_keys", "_fused_scores")):
         body = traced.split(f"def {name}(")[1].split("\n@gluon_jit\n")[0]
-        assert [f"_fused_meet_traced(steps, {s}, ph, {who}, i)" in body for s in range(NSTEP)] == [True] * NSTEP
+        # each step's end recorded: a meet, or (the A consumer's step 5) an arrival and a wait after more work
+        recorded = [f"_fused_meet_traced(steps, {s}, ph, {who}, i)" in body
+                    or (f"_fused_arrive_traced(steps, {s}, {who}, i)" in body
+                        and f"_fused_wait_traced(steps, {s}, ph, {who}, i)" in body) for s in range(NSTEP)]
+        assert recorded == [True] * NSTEP, name
+        assert "_fused_arrive(steps," not in body and "mbarrier.wait(steps." not in body
     assert str(0x7F0000001000) in traced and "pid < 3" in traced and "i < 16" in traced
-    # undone (the added function out, the calls back), it is the module's text
+    # undone (the added functions out, the calls back), it is the module's text
     start = traced.index("\n\n@gluon_jit\ndef _fused_meet_traced(")
     end = traced.index("\n\n@gluon_jit\ndef _fused_producer(")
     undone = re.sub(r"_fused_meet_traced\(steps, (\d), ph, \d, i\)", r"_fused_meet(steps, \1, ph)",
                     traced[:start] + traced[end:])
+    undone = re.sub(r"_fused_arrive_traced\(steps, (\d), \d, i\)", r"_fused_arrive(steps, \1)", undone)
+    undone = re.sub(r"_fused_wait_traced\(steps, (\d), ph, \d, i\)", r"mbarrier.wait(steps.index(\1), ph)", undone)
     assert undone == source
 
 def test_traced_source_needs_the_fused_kernel():
