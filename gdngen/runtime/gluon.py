@@ -223,7 +223,8 @@ def fused_group_add(spec_name: str, group: int) -> bool:
     """Whether the fused backward adds the dq and dk tiles of a head group's ``group`` value heads into one
     [B, T, H, K] output itself (TMA reduce-add into zeros: gdngen.runtime.gluon.tma_add), instead of writing them
     per value head for ``gdngen.runtime.head_groups.sum_head_groups`` to read back: at (4,8192,16,32) 537 MB
-    written and read again and the sum kernel's 186 us (H200, stop 67) for two 134 MB memsets. By default for
+    written and read again, and the sum kernel (265 us on the H100), for two 134 MB memsets (83 us) and the adds'
+    read-modify-writes (+19 us in the kernel; stop 68, benchmarks/NOTES.md). By default for
     groups of two only: 0 + a, then a + b, is the sum kernel's result (two 16-bit values added, rounded once) in
     either order, so deterministic; with more, the adds' order varies between runs and each rounds to 16 bits.
     ``override(spec, "gluon_fused_group_add", value=...)`` decides for every group size."""
