@@ -212,9 +212,9 @@ def fused_bwd_enabled(spec_name: str) -> bool:
     can: the Gluon reverse pass's conditions with the forward's 16-bit T, h and V_new (pieces of a long sequence
     each walk first, as in the reverse pass). On by default since measured on the H200 (stop 67), in device us
     against the three kernels it replaces: 393.5 / 445.3 at (8,2048,16,16), 1644.0 / 1803.9 at (1,32768,32,32),
-    and with grouped value heads, whose dq and dk it writes per value head for a sum kernel after, 1462.9 + 185.8
-    / 1697.0 at (4,8192,16,32). ``override(spec, "gluon_fused_bwd", value=False)`` keeps the three kernels (tests
-    compare the two)."""
+    and with grouped value heads, whose dq and dk it then wrote per value head for a sum kernel after, 1462.9 +
+    185.8 / 1697.0 at (4,8192,16,32) (since stop 68 it adds a group's itself: :func:`fused_group_add`).
+    ``override(spec, "gluon_fused_bwd", value=False)`` keeps the three kernels (tests compare the two)."""
     forced = _OVERRIDES.get((spec_name, "gluon_fused_bwd"))
     return True if forced is None else bool(forced["value"])
 
