@@ -253,34 +253,29 @@ def _make_tma():
                 bar.copies.append((copy, desc.block_type.nbytes))
             program.cond.notify_all()
 
-    def async_copy_shared_to_global(desc: TensorDescriptor, coords, smem: SharedMemory):
-        _check_tile(desc, smem, "TMA store")
+    def bulk_write(desc: TensorDescriptor, coords, smem: SharedMemory, what: str, add: bool):
+        """A TMA store (or, ``add``, a reduce-add) of ``smem``: checked at issue, landing when retired."""
+        _check_tile(desc, smem, f"TMA {what}")
         coords = [int(c) for c in coords]
         thread = _thread()
         with thread.program.cond:
-            _check_fenced(thread, smem, "a TMA store")
+            _check_fenced(thread, smem, f"a TMA {what}")
 
-        def store():
+        def land():
             _record_read(smem)
             box = desc._box(coords)
-            if box is not None:
+            if box is not None and add:
+                desc.view[box[0]] += smem.data[box[1]]
+            elif box is not None:
                 desc.view[box[0]] = smem.data[box[1]]
-        _thread().stores.append(store)
+        thread.stores.append(land)
+
+    def async_copy_shared_to_global(desc: TensorDescriptor, coords, smem: SharedMemory):
+        bulk_write(desc, coords, smem, "store", add=False)
 
     def async_add(desc: TensorDescriptor, coords, smem: SharedMemory):
         """gdngen.runtime.gluon.tma_add: as a store, but added into global memory (in its dtype) when retired."""
-        _check_tile(desc, smem, "TMA add")
-        coords = [int(c) for c in coords]
-        thread = _thread()
-        with thread.program.cond:
-            _check_fenced(thread, smem, "a TMA add")
-
-        def add():
-            _record_read(smem)
-            box = desc._box(coords)
-            if box is not None:
-                desc.view[box[0]] += smem.data[box[1]]
-        _thread().stores.append(add)
+        bulk_write(desc, coords, smem, "add", add=True)
 
     def store_wait(pendings):
         stores = _thread().stores
