@@ -11,7 +11,8 @@
 #   bash benchmarks/fused_bwd_call.sh [cases]     # cases default: two of the #10 training rows
 # The fused kernel is the default since stop 67, so the A/B is the module beside its three-kernel backward
 # (switch gluon_fused_bwd=0); with BASE=path/to/an/older/rendering.py (carried: variant_tmp/, e.g. made by
-# `git show <commit>:generated/gated_delta_rule.py > variant_tmp/gdr_base.py`) that module comes first.
+# `git show <commit>:generated/gated_delta_rule.py > variant_tmp/gdr_base.py`) that module comes first; BASE may
+# name several, in order. AB_SECONDS (default 150) is the A/B's time limit: ~45 s a module on a fresh machine.
 set -u
 cases=${1:-"8,2048,16,16 1,32768,32,32"}
 modules="${BASE:+$BASE }generated/gated_delta_rule.py"
