@@ -36,25 +36,8 @@ MARKS_MAX = 32
 TRACED_MEET = '''
 
 @gluon_jit
-def _fused_meet_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
-    """_fused_meet, recording this consumer's cycle counter at its arrival and at its release (measuring copy)."""
-    t_arrive = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    fence_async_shared()
-    mbarrier.arrive(steps.index(s), count=1)
-    mbarrier.wait(steps.index(s), phase)
-    t_release = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    pid = gl.program_id(0)
-    if (pid < PROGRAMS) & (i < CHUNKS):
-        base = (pid.to(gl.int64) * 0 + ADDRESS).to(gl.pointer_type(gl.int64))
-        slot = (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2
-        gl.store(base + slot, t_arrive)
-        gl.store(base + slot + 1, t_release)
-
-
-@gluon_jit
 def _fused_arrive_traced(steps, s: gl.constexpr, who: gl.constexpr, i):
-    """_fused_arrive, recording this consumer's arrival (a consumer that works on after its arrival: measuring
-    copy)."""
+    """_fused_arrive, recording this consumer's cycle counter at its arrival (measuring copy)."""
     t_arrive = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
     fence_async_shared()
     mbarrier.arrive(steps.index(s), count=1)
@@ -66,13 +49,21 @@ def _fused_arrive_traced(steps, s: gl.constexpr, who: gl.constexpr, i):
 
 @gluon_jit
 def _fused_wait_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
-    """The wait for step s's end after _fused_arrive, recording its release (measuring copy)."""
+    """The wait for step s's end, recording this consumer's cycle counter at its release (measuring copy)."""
     mbarrier.wait(steps.index(s), phase)
     t_release = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
     pid = gl.program_id(0)
     if (pid < PROGRAMS) & (i < CHUNKS):
         base = (pid.to(gl.int64) * 0 + ADDRESS).to(gl.pointer_type(gl.int64))
         gl.store(base + (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2 + 1, t_release)
+
+
+@gluon_jit
+def _fused_meet_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
+    """_fused_meet, recording this consumer's arrival and release (measuring copy); a consumer that works on after
+    its arrival (_fused_arrive, then mbarrier.wait) records the two apart."""
+    _fused_arrive_traced(steps, s, who, i)
+    _fused_wait_traced(steps, s, phase, who, i)
 
 
 @gluon_jit

@@ -26,7 +26,7 @@ def test_traced_source_records_every_consumer_meet():
         assert "_fused_arrive(steps," not in body and "mbarrier.wait(steps." not in body
     assert str(0x7F0000001000) in traced and "pid < 3" in traced and "i < 16" in traced
     # undone (the added functions out, the calls back), it is the module's text
-    start = traced.index("\n\n@gluon_jit\ndef _fused_meet_traced(")
+    start = traced.index("\n\n@gluon_jit\ndef _fused_arrive_traced(")      # the first added function
     end = traced.index("\n\n@gluon_jit\ndef _fused_producer(")
     undone = re.sub(r"_fused_meet_traced\(steps, (\d), ph, \d, i\)", r"_fused_meet(steps, \1, ph)",
                     traced[:start] + traced[end:])
