@@ -56,6 +56,13 @@ def _fused_wait_traced(steps, s: gl.constexpr, phase, who: gl.constexpr, i):
     if (pid < PROGRAMS) & (i < CHUNKS):
         base = (pid.to(gl.int64) * 0 + ADDRESS).to(gl.pointer_type(gl.int64))
         gl.store(base + (((pid * CHUNKS + i) * 3 + who) * 7 + s) * 2 + 1, t_release)
+        if s == 6:
+            if who == 0:
+                # the chunk's end in ns too: cycles over ns is the clock the SM ran at
+                t_ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                                 is_pure=False, pack=1)
+                ns_base = (pid.to(gl.int64) * 0 + NS_ADDRESS).to(gl.pointer_type(gl.int64))
+                gl.store(ns_base + pid * CHUNKS + i, t_ns)
 
 
 @gluon_jit
@@ -83,16 +90,17 @@ def parse_marks(text: str) -> list:
     return [(NAMES.index(m.split(":", 1)[0]), m.split(":", 1)[1]) for m in text.strip().split(";") if m]
 
 
-def traced_source(source: str, address: int, programs: int, chunks: int, marks=(), mark_address: int = 0) -> str:
-    """The module's source with the three consumers' meets recording into the buffer at ``address``, and a probe
-    before the first line holding each mark's text ((consumer index, text) pairs) into the one at
-    ``mark_address``."""
+def traced_source(source: str, address: int, programs: int, chunks: int, marks=(), mark_address: int = 0,
+                  ns_address: int = 0) -> str:
+    """The module's source with the three consumers' meets recording into the buffer at ``address``, each chunk's
+    end in ns (%globaltimer) into the one at ``ns_address``, and a probe before the first line holding each mark's
+    text ((consumer index, text) pairs) into the one at ``mark_address``."""
     head, sep, rest = source.partition("\n\n@gluon_jit\ndef _fused_producer(")
     if not sep:
         raise ValueError("the module has no fused backward (_fused_producer)")
     meet = (TRACED_MEET.replace("PROGRAMS", str(programs)).replace("CHUNKS", str(chunks))
             .replace("MARKS_MAX", str(MARKS_MAX)).replace("MARK_ADDRESS", str(mark_address))
-            .replace("ADDRESS", str(address)))
+            .replace("NS_ADDRESS", str(ns_address)).replace("ADDRESS", str(address)))
     if len(marks) > MARKS_MAX:
         raise ValueError(f"marks: at most {MARKS_MAX}, got {len(marks)}")
     rest = sep + rest
@@ -168,6 +176,33 @@ def summarise(trace: torch.Tensor, nt: int):
     return rows, statistics.median(chunk_cycles)
 
 
+def program_times(trace: torch.Tensor, ns: torch.Tensor) -> dict:
+    """Across the traced programs, from each one's chunk ends (S's release from step 6) past its first chunk: the
+    mean and spread of a chunk in cycles and in ns, and the clock (cycles over ns). A median chunk that does not
+    add up to the kernel's time shows here: slow chunks between fast ones, slow programs, or a lower clock."""
+    ends = trace[:, :, 0, NSTEP - 1, 1].cpu().double()          # [P, C] cycles
+    ns = ns.cpu().double()                                      # [P, C]
+    per_chunk, per_chunk_ns, clocks, spans = [], [], [], []
+    for p in range(ends.shape[0]):
+        n = int((ends[p] > 0).sum())                            # chunks recorded (its first n)
+        if n < 3:
+            continue
+        cyc, t = ends[p, 1:n].diff(), ns[p, 1:n].diff()
+        per_chunk.append(cyc)
+        per_chunk_ns.append(t)
+        clocks.append(float(cyc.sum() / t.sum()) * 1e3)         # MHz
+        spans.append(float(t.sum()) / 1e3)                      # us from the first chunk's end to the last's
+    if not per_chunk:
+        return {}
+    cyc, t = torch.cat(per_chunk), torch.cat(per_chunk_ns)
+    q = torch.tensor([0.1, 0.5, 0.9, 0.99], dtype=torch.float64)
+    return dict(programs=len(per_chunk), chunk_cycles_mean=round(float(cyc.mean()), 1),
+                chunk_cycles_quantiles=[round(float(v)) for v in cyc.quantile(q)],
+                chunk_ns_mean=round(float(t.mean()), 1), chunk_ns_quantiles=[round(float(v)) for v in t.quantile(q)],
+                clock_mhz_min_median_max=[round(min(clocks)), round(statistics.median(clocks)), round(max(clocks))],
+                span_us_min_max=[round(min(spans), 1), round(max(spans), 1)])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="8,2048,16,16 4,8192,16,32")
@@ -184,10 +219,11 @@ def main():
     marks = parse_marks(args.marks)
     trace = torch.zeros(args.programs, chunks, 3, NSTEP, 2, dtype=torch.int64, device="cuda")
     marks_trace = torch.zeros(args.programs, chunks, 3, MARKS_MAX, dtype=torch.int64, device="cuda")
+    ns_trace = torch.zeros(args.programs, chunks, dtype=torch.int64, device="cuda")
     folder = Path(tempfile.mkdtemp(prefix="fused_trace_"))
     path = folder / "gated_delta_rule_traced.py"
     traced = traced_source(Path(args.module).read_text(), trace.data_ptr(), args.programs, chunks, marks,
-                           marks_trace.data_ptr())
+                           marks_trace.data_ptr(), ns_trace.data_ptr())
     path.write_text(traced)
     steps = mark_steps(traced, marks)
     modules = dict(plain=load_module(Path(args.module), "gdr_plain"), traced=load_module(path, "gdr_traced"))
@@ -210,13 +246,16 @@ def main():
                     "_fused_bwd_gluon_kernel")
             trace.zero_()
             marks_trace.zero_()
+            ns_trace.zero_()
             with torch.enable_grad():
                 step(modules["traced"])
             torch.cuda.synchronize()
-        rows, chunk = summarise(trace, T // 64)
-        mark_rows = summarise_marks(trace, marks_trace, marks, steps, T // 64)
+        # the steps from the first four programs (a Python loop); the chunk times from all traced
+        rows, chunk = summarise(trace[:4], T // 64)
+        mark_rows = summarise_marks(trace[:4], marks_trace[:4], marks, steps, T // 64)
+        times = program_times(trace, ns_trace)
         record = dict(gpu=gpu, B=B, T=T, H=H, HV=HV, kernel_us=kernel_us, chunk_cycles=chunk, steps=rows,
-                      marks=mark_rows)
+                      marks=mark_rows, programs=times)
         out.write(json.dumps(record) + "\n")
         out.flush()
         print(f"\n{gpu} ({B},{T},{H},{HV}): fused kernel {kernel_us['plain']} us (traced copy "
@@ -226,6 +265,7 @@ def main():
             la = r["last_arrival"]
             print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
                   + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
+        print("chunks (all traced programs): " + ", ".join(f"{k} {v}" for k, v in times.items()))
         for r in mark_rows:
             print(f"  step {r['step']}  +{r['cycles_into_step']:>7}  {r['mark']}")
 

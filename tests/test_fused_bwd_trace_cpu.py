@@ -82,3 +82,22 @@ def test_the_committed_marks_are_lines_of_the_module():
     assert 0 < len(marks) <= MARKS_MAX
     traced = traced_source(MODULE.read_text(), 0x7F0000001000, 1, 4, marks, 0x7F0000002000)
     ast.parse(traced)
+
+
+def test_program_times_give_the_mean_chunk_and_the_clock():
+    # two programs: one of 6 chunks of 2000 cycles at 2 GHz (1000 ns), one of 4 chunks of 3000 cycles at 1.5 GHz
+    # (2000 ns), the rest of the buffer unrecorded (zeros)
+    from benchmarks.fused_bwd_trace import program_times
+    trace = torch.zeros(3, 8, 3, NSTEP, 2, dtype=torch.int64)
+    ns = torch.zeros(3, 8, dtype=torch.int64)
+    for p, (n, cycles, ns_chunk) in enumerate([(6, 2000, 1000), (4, 3000, 2000)]):
+        for i in range(n):
+            trace[p, i, 0, NSTEP - 1, 1] = 10_000 + (i + 1) * cycles
+            ns[p, i] = 5_000_000 + (i + 1) * ns_chunk
+    times = program_times(trace, ns)
+    # chunks past the first: 4 of the first program's, 2 of the second's
+    assert times["programs"] == 2
+    assert times["chunk_cycles_mean"] == round((4 * 2000 + 2 * 3000) / 6, 1)
+    assert times["clock_mhz_min_median_max"] == [1500, 1750, 2000]
+    assert times["span_us_min_max"] == [4.0, 4.0]
+    assert program_times(trace[2:], ns[2:]) == {}
