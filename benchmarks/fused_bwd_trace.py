@@ -203,6 +203,16 @@ def program_times(trace: torch.Tensor, ns: torch.Tensor) -> dict:
                 span_us_min_max=[round(min(spans), 1), round(max(spans), 1)])
 
 
+def slowest_programs(trace: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` traced programs whose recorded chunks took longest a chunk (S's releases from step 6, past the
+    first chunk), slowest first."""
+    ends = trace[:, :, 0, NSTEP - 1, 1].cpu().double()
+    recorded = (ends > 0).sum(1)
+    first, last = ends[:, 1], ends.gather(1, (recorded - 1).clamp(min=0)[:, None])[:, 0]
+    per_chunk = torch.where(recorded > 2, (last - first) / (recorded - 2).clamp(min=1), torch.zeros_like(first))
+    return per_chunk.argsort(descending=True)[:n]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="8,2048,16,16 4,8192,16,32")
@@ -250,12 +260,16 @@ def main():
             with torch.enable_grad():
                 step(modules["traced"])
             torch.cuda.synchronize()
-        # the steps from the first four programs (a Python loop); the chunk times from all traced
+        # the steps from the first four programs (a Python loop) and from the four slowest; the chunk times
+        # from all traced
         rows, chunk = summarise(trace[:4], T // 64)
         mark_rows = summarise_marks(trace[:4], marks_trace[:4], marks, steps, T // 64)
         times = program_times(trace, ns_trace)
+        slowest = slowest_programs(trace, 4)
+        slow_rows, slow_chunk = summarise(trace[slowest], T // 64)
         record = dict(gpu=gpu, B=B, T=T, H=H, HV=HV, kernel_us=kernel_us, chunk_cycles=chunk, steps=rows,
-                      marks=mark_rows, programs=times)
+                      marks=mark_rows, programs=times, slowest=dict(programs=slowest.tolist(),
+                                                                    chunk_cycles=slow_chunk, steps=slow_rows))
         out.write(json.dumps(record) + "\n")
         out.flush()
         print(f"\n{gpu} ({B},{T},{H},{HV}): fused kernel {kernel_us['plain']} us (traced copy "
@@ -266,6 +280,11 @@ def main():
             print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
                   + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
         print("chunks (all traced programs): " + ", ".join(f"{k} {v}" for k, v in times.items()))
+        print(f"the slowest programs {slowest.tolist()}: a chunk {slow_chunk} cycles")
+        for r in slow_rows:
+            la = r["last_arrival"]
+            print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
+                  + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
         for r in mark_rows:
             print(f"  step {r['step']}  +{r['cycles_into_step']:>7}  {r['mark']}")
 

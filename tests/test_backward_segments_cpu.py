@@ -145,6 +145,14 @@ def test_segments_choice():
     assert rule("gated_delta_rule", B=1, T=32768, HV=32, **dict(lean, kept_values=False)) == 2   # +256 MiB: 1 GiB
     assert rule("gated_delta_rule", B=1, T=32768, HV=32, **dict(lean, kept_tmat=False)) == 2     # float32 T: 1 GiB
     assert rule("gated_delta_rule", B=1, T=32768, HV=32, **dict(lean, kept_tmat=False, kept_values=False)) == 4
+    # the fused backward keeps no state gradients or W: nothing to cut at 32k x 32 heads, nor at 128k x 32 value
+    # heads when it adds each head group's dq / dk itself; per-value-head dq / dk (2 GiB there) still count
+    fused = dict(lean, fused_bwd=True)
+    assert seg.intermediate_bytes(B=1, T=32768, HV=32, K=128, V=128, BT=64, kept_tmat=True, kept_values=True,
+                                  per_head_qk=False, fused_bwd=True) == 0
+    assert rule("gated_delta_rule", B=1, T=32768, HV=32, **fused) == 1
+    assert rule("gated_delta_rule", B=1, T=131072, HV=32, **fused) == 1
+    assert rule("gated_delta_rule", B=1, T=131072, HV=32, **dict(fused, per_head_qk=True)) == 4
     for T in (4096, 8192, 16384, 32768, 65536, 131072):
         for HV in (1, 4, 32, 64):
             S = rule("kda", B=1, T=T, HV=HV, **shape)

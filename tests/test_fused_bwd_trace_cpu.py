@@ -101,3 +101,13 @@ def test_program_times_give_the_mean_chunk_and_the_clock():
     assert times["clock_mhz_min_median_max"] == [1500, 1750, 2000]
     assert times["span_us_min_max"] == [4.0, 4.0]
     assert program_times(trace[2:], ns[2:]) == {}
+
+
+def test_slowest_programs_rank_by_their_mean_chunk():
+    from benchmarks.fused_bwd_trace import slowest_programs
+    trace = torch.zeros(4, 6, 3, NSTEP, 2, dtype=torch.int64)
+    for p, (n, cycles) in enumerate([(6, 1000), (5, 3000), (2, 9000), (6, 2000)]):
+        for i in range(n):
+            trace[p, i, 0, NSTEP - 1, 1] = (i + 1) * cycles
+    # program 2 recorded too few chunks to rank (0 a chunk)
+    assert slowest_programs(trace, 3).tolist() == [1, 3, 0]

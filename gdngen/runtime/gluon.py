@@ -219,6 +219,18 @@ def fused_bwd_enabled(spec_name: str) -> bool:
     return True if forced is None else bool(forced["value"])
 
 
+def fused_bwd_takes(spec_name: str, k: torch.Tensor, states, tmat, values) -> bool:
+    """Whether the fused backward (:func:`fused_bwd_enabled`) takes a call whose reverse pass runs in Gluon
+    (:func:`state_bwd_usable`) and whose forward kept these (None: not kept): its chunk-start ``states`` in
+    k's dtype, its 16-bit T (``tmat``, W formed from it: :func:`w_from_t_enabled`) and its 16-bit V_new
+    (``values``). The driver decides by it, and so does the choice of time segments (a fused backward keeps no
+    state gradients or W in memory, so one long sequence needs no segments: gdngen.runtime.segments)."""
+    sixteen = (torch.bfloat16, torch.float16)
+    return (states is not None and tmat is not None and values is not None and states.dtype == k.dtype
+            and tmat.dtype in sixteen and values.dtype in sixteen and w_from_t_enabled(spec_name)
+            and fused_bwd_enabled(spec_name))
+
+
 def fused_group_add(spec_name: str, group: int) -> bool:
     """Whether the fused backward adds the dq and dk tiles of a head group's ``group`` value heads into one
     [B, T, H, K] output itself (TMA reduce-add into zeros: gdngen.runtime.gluon.tma_add), instead of writing them

@@ -45,23 +45,27 @@ SEGMENT_BUDGET_BYTES = 512 << 20  # segment-local intermediates of one backward 
 
 def intermediate_bytes(*, B: int, T: int, HV: int, K: int, V: int, BT: int, itemsize: int = 2,
                        delta: bool = True, kept_tmat: bool = False, kept_values: bool = False,
-                       per_head_qk: bool = True) -> int:
+                       per_head_qk: bool = True, fused_bwd: bool = False) -> int:
     """Bytes of the backward's token-sized intermediates besides its outputs (estimate).
 
     Per token and value head: the chunk-end state gradients (K V per chunk); with ``per_head_qk``
     the per-value-head dq and dk before the head-group sum / L2-norm backward (a call with as many
     query as value heads and no in-kernel L2 norm writes them straight into the gradients); for the
     delta rule W (dW), and the float32 T (BT per token) and V_new unless the forward kept them
-    (``kept_tmat``, ``kept_values``: the backward then reads the forward's)."""
-    per = K * V * itemsize / BT + (2 * K * itemsize if per_head_qk else 0)
-    if delta:
-        per += K * itemsize + (0 if kept_tmat else BT * 4) + (0 if kept_values else V * itemsize)
+    (``kept_tmat``, ``kept_values``: the backward then reads the forward's). ``fused_bwd``: the backward
+    runs as one fused kernel (stages/backward_fused_gluon.py.j2), whose state gradients and W never leave the
+    chip: only the per-value-head dq and dk are left to count."""
+    per = 2 * K * itemsize if per_head_qk else 0
+    if not fused_bwd:
+        per += K * V * itemsize / BT
+        if delta:
+            per += K * itemsize + (0 if kept_tmat else BT * 4) + (0 if kept_values else V * itemsize)
     return int(B * T * HV * per)
 
 
 def backward_segments(spec_name: str, *, B: int, T: int, HV: int, K: int, V: int, BT: int, varlen: bool,
                       itemsize: int = 2, delta: bool = True, kept_tmat: bool = False, kept_values: bool = False,
-                      per_head_qk: bool = True) -> int:
+                      per_head_qk: bool = True, fused_bwd: bool = False) -> int:
     """How many time segments the backward of this call runs in (1: the whole call at once).
 
     1 for a batch (B > 1) or packed sequences (varlen); otherwise the smallest power of two
@@ -77,7 +81,8 @@ def backward_segments(spec_name: str, *, B: int, T: int, HV: int, K: int, V: int
     if forced is not None:
         return max(1, min(int(forced["value"]), chunks))
     need = intermediate_bytes(B=B, T=T, HV=HV, K=K, V=V, BT=BT, itemsize=itemsize, delta=delta,
-                              kept_tmat=kept_tmat, kept_values=kept_values, per_head_qk=per_head_qk)
+                              kept_tmat=kept_tmat, kept_values=kept_values, per_head_qk=per_head_qk,
+                              fused_bwd=fused_bwd)
     segments = 1
     while (segments < MAX_SEGMENTS and need > segments * SEGMENT_BUDGET_BYTES
            and chunks // (2 * segments) >= MIN_SEGMENT_CHUNKS):
