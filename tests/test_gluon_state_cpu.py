@@ -299,6 +299,26 @@ def test_w_formed_from_t_where_asked(monkeypatch, count_launches, pieces):
         assert not gluon.w_from_t_enabled("gated_delta_rule")
 
 
+def test_fused_backward_takes_kept_sixteen_bit_states_t_and_values():
+    """gdngen.runtime.gluon.fused_bwd_takes, which both the driver and the choice of time segments ask: the
+    forward's chunk-start states in k's dtype, its 16-bit T and V_new, W from T, the fused kernel on."""
+    name = "gated_delta_rule"
+    k = torch.zeros(1, 64, 2, 16, dtype=torch.bfloat16)
+    states = torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16)
+    tmat = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    values = torch.zeros(1, 64, 2, 16, dtype=torch.float16)       # GDN keeps V_new in float16
+    assert gluon.fused_bwd_takes(name, k, states, tmat, values)
+    assert not gluon.fused_bwd_takes(name, k, None, tmat, values)
+    assert not gluon.fused_bwd_takes(name, k, states, None, values)
+    assert not gluon.fused_bwd_takes(name, k, states, tmat, None)
+    assert not gluon.fused_bwd_takes(name, k, states.float(), tmat, values)
+    assert not gluon.fused_bwd_takes(name, k, states, tmat.float(), values)       # a recomputed float32 T
+    assert not gluon.fused_bwd_takes(name, k, states, tmat, values.float())
+    for switch in ("gluon_fused_bwd", "gluon_w_from_t"):
+        with override(name, switch, value=False):
+            assert not gluon.fused_bwd_takes(name, k, states, tmat, values)
+
+
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_gluon_forward_pass_walks_its_pieces(monkeypatch, count_launches, pieces, training):
