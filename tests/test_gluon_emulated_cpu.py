@@ -576,6 +576,39 @@ def test_fused_backward_adds_head_groups_itself(emulated, monkeypatch, heads, pi
             assert not torch.equal(grads[True][name], grads[False][name]), name    # the adds round: not the sum's
 
 
+def test_fused_backward_needs_no_time_segments(emulated, monkeypatch):
+    """One long sequence's backward is cut into time segments for what it stores per token (gdngen.runtime.segments);
+    the fused backward stores no state gradients and no W, so the module asks for segments with fused_bwd=True
+    where the fused kernel takes the call, and False where it is off. Two segments forced still run the fused kernel,
+    each segment's end gradient the next one's dh0: every gradient (dh0 included) within 3e-4 of one segment's (the
+    pieces' bounds, and so their walks and roundings, move with the segments) and within #10's bars of float64."""
+    module, launches = emulated
+    asked = []
+    real_segments = module.backward_segments
+    monkeypatch.setattr(module, "backward_segments",
+                        lambda *args, **kwargs: asked.append(kwargs.get("fused_bwd")) or real_segments(*args, **kwargs))
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=61, K=128, V=128, h0=True, B=1, T=256,
+                         H=2, HV=2)
+    grads = {}
+    for segments in (None, 2):
+        launches["_fused_bwd_gluon"].clear()
+        with _switched(True, 2, gluon_fused_bwd=True), contextlib.ExitStack() as stack:
+            if segments:
+                stack.enter_context(override(NAME, "backward_segments", value=segments))
+            grads[segments], cotangents = _forward_backward(module, spec, inputs, seed=62)
+        assert asked[-1] is True
+        assert launches["_fused_bwd_gluon"] == [2] * (segments or 1)          # two pieces a launch
+    with _switched(True, 2):
+        _forward_backward(module, spec, inputs, seed=62)
+    assert asked[-1] is False
+    _, _, want = reference_gradients(spec, inputs, cotangents)
+    for name in want:
+        assert not grads[2][name].isnan().any(), name
+        assert rel_rmse(grads[2][name], grads[None][name]) <= 3e-4, name          # read <= 9.6e-5
+        assert rel_rmse(grads[2][name], want[name]) <= BARS[name], name
+
+
 def test_backward_with_slow_gates_and_the_final_state_alone(emulated):
     """A loss on the final state alone, with gates 50x slower than make_inputs' (a chunk's state decay ~0.8, not
     ~1e-5): the last token's state_decay <S, dS'> term of d(cumsum g), invisible at make_inputs' gates (dropping

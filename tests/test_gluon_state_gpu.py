@@ -362,6 +362,40 @@ def test_fused_backward_adds_head_groups_itself(monkeypatch, shape, pieces):
         assert torch.equal(runs[True][name], summed), name
 
 
+def test_fused_backward_of_one_long_sequence_runs_in_one_segment(monkeypatch):
+    """The fused backward stores no chunk-end state gradients and no W, so one long sequence's backward runs in
+    one time segment (gdngen.runtime.segments, fused_bwd=True): at (1,32768,32,32) one launch of the fused kernel
+    over the whole sequence's pieces, where the three kernels' backward takes two segments (768 MiB of state
+    gradients and W). Two segments forced give the same gradients but for the pieces' bounds (the walks), dh0
+    included, on NaN-poisoned buffers (stop 69: rel. L2 <= 2e-5 on the H100)."""
+    module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
+    chosen = []
+    real_run = module.run_backward_in_segments
+    monkeypatch.setattr(module, "run_backward_in_segments",
+                        lambda backward, segments, *args, **kwargs: chosen.append(segments)
+                        or real_run(backward, segments, *args, **kwargs))
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=28, K=128, V=128, h0=True, B=1, T=32768,
+                         H=32, HV=32)
+    runs = {}
+    for segments in (None, 2):
+        launches.clear()
+        with poisoned_memory():
+            if segments is None:
+                _, _, runs[1] = _forward_backward(module, spec, inputs, seed=29)
+            else:
+                with override(NAME, "backward_segments", value=segments):
+                    _, _, runs[2] = _forward_backward(module, spec, inputs, seed=29)
+        assert chosen[-1] == (segments or 1) and len(launches) == (segments or 1)
+    assert "initial_state" in runs[1]
+    for name, grad in runs[1].items():
+        assert not grad.isnan().any() and not runs[2][name].isnan().any(), name
+        assert rel_rmse(grad.double(), runs[2][name].double()) <= 1e-4, name
+    with override(NAME, "gluon_fused_bwd", value=False):
+        _forward_backward(module, spec, inputs, seed=29)
+    assert chosen[-1] == 2
+
+
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=4, T=2048, H=4, HV=4), 1),           # dense sequences, one value head per query head
     (dict(B=2, T=4096, H=2, HV=4), 1),           # grouped value heads
