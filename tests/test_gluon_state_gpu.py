@@ -334,6 +334,19 @@ def test_one_chain_reverse_pass(monkeypatch, shape, pieces, wy):
     assert all(errors[True][n] <= 1.05 * errors[False][n] for n in errors[True]), errors
 
 
+def _assert_switch_changes_no_bit(module, spec, inputs, switch, pieces, seed, after=lambda value: None):
+    """One training call with ``switch`` on, one with it off (``pieces`` state pieces, NaN-poisoned buffers;
+    ``after(value)`` after each): every gradient bit for bit the same, none NaN."""
+    runs = {}
+    for value in (True, False):
+        with override(NAME, switch, value=value), override(NAME, "state_pieces", value=pieces), poisoned_memory():
+            _, _, runs[value] = _forward_backward(module, spec, inputs, seed=seed)
+        after(value)
+    for name, grad in runs[False].items():
+        assert not runs[True][name].isnan().any() and not grad.isnan().any(), name
+        assert torch.equal(runs[True][name], grad), name
+
+
 @pytest.mark.parametrize("shape, pieces", [
     (dict(B=2, T=4096, H=2, HV=4), 1),           # dense sequences
     (dict(B=1, T=8192, H=2, HV=4), 4),           # one long sequence in pieces
@@ -349,17 +362,12 @@ def test_fused_backward_adds_head_groups_itself(monkeypatch, shape, pieces):
     monkeypatch.setattr(module, "sum_head_groups", lambda x, H, out=None: sums.append(x.shape) or real_sum(x, H, out))
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=26, K=128, V=128, h0=True, **shape)
-    runs = {}
-    for add in (True, False):
-        sums.clear()
-        with override(NAME, "gluon_fused_group_add", value=add), override(NAME, "state_pieces", value=pieces), \
-                poisoned_memory():
-            _, _, runs[add] = _forward_backward(module, spec, inputs, seed=27)
+
+    def summed_after(add):
         assert len(sums) == (0 if add else 2)
+        sums.clear()
+    _assert_switch_changes_no_bit(module, spec, inputs, "gluon_fused_group_add", pieces, seed=27, after=summed_after)
     assert launches == [pieces * shape["B"]] * 2
-    for name, summed in runs[False].items():
-        assert not summed.isnan().any(), name
-        assert torch.equal(runs[True][name], summed), name
 
 
 @pytest.mark.parametrize("shape, pieces", [
@@ -372,15 +380,8 @@ def test_fused_backward_prefetch_changes_nothing(monkeypatch, shape, pieces):
     module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
     spec = load_spec(f"specs/{NAME}.yaml")
     inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=30, K=128, V=128, h0=True, **shape)
-    runs = {}
-    for prefetch in (True, False):
-        with override(NAME, "gluon_fused_prefetch", value=prefetch), override(NAME, "state_pieces", value=pieces), \
-                poisoned_memory():
-            _, _, runs[prefetch] = _forward_backward(module, spec, inputs, seed=31)
+    _assert_switch_changes_no_bit(module, spec, inputs, "gluon_fused_prefetch", pieces, seed=31)
     assert launches == [pieces * shape["B"]] * 2
-    for name, grad in runs[False].items():
-        assert not runs[True][name].isnan().any(), name
-        assert torch.equal(runs[True][name], grad), name
 
 
 def test_fused_backward_of_one_long_sequence_runs_in_one_segment(monkeypatch):
