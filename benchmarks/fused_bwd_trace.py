@@ -213,6 +213,15 @@ def slowest_programs(trace: torch.Tensor, n: int) -> torch.Tensor:
     return per_chunk.argsort(descending=True)[:n]
 
 
+def print_steps(rows):
+    """summarise's rows as a table."""
+    print("step  cycles  " + "  ".join(f"{n}_work" for n in NAMES) + "  wake  last arrival (S/K/A)")
+    for r in rows:
+        la = r["last_arrival"]
+        print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
+              + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="8,2048,16,16 4,8192,16,32")
@@ -274,17 +283,10 @@ def main():
         out.flush()
         print(f"\n{gpu} ({B},{T},{H},{HV}): fused kernel {kernel_us['plain']} us (traced copy "
               f"{kernel_us['traced']}); a chunk {chunk} cycles")
-        print("step  cycles  " + "  ".join(f"{n}_work" for n in NAMES) + "  wake  last arrival (S/K/A)")
-        for r in rows:
-            la = r["last_arrival"]
-            print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
-                  + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
+        print_steps(rows)
         print("chunks (all traced programs): " + ", ".join(f"{k} {v}" for k, v in times.items()))
         print(f"the slowest programs {slowest.tolist()}: a chunk {slow_chunk} cycles")
-        for r in slow_rows:
-            la = r["last_arrival"]
-            print(f"{r['step']:>4}  {r['cycles']:>6}  " + "  ".join(f"{r[n + '_work']:>6}" for n in NAMES)
-                  + f"  {r['wake']:>4}  {la['S']}/{la['K']}/{la['A']}")
+        print_steps(slow_rows)
         for r in mark_rows:
             print(f"  step {r['step']}  +{r['cycles_into_step']:>7}  {r['mark']}")
 
