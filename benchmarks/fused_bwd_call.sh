@@ -13,8 +13,7 @@
 # (switch gluon_fused_bwd=0); with BASE=path/to/an/older/rendering.py (carried: variant_tmp/, e.g. made by
 # `git show <commit>:generated/gated_delta_rule.py > variant_tmp/gdr_base.py`) that module comes first; BASE may
 # name several, in order. AB_SECONDS (default 150) is the A/B's time limit: ~45 s a module on a fresh machine.
-# SWITCHES (default gluon_fused_bwd=0) are the A/B's switch rows, e.g. SWITCHES="gluon_fused_prefetch=1" for the
-# producer's L2 prefetch (stop 69, off by default).
+# SWITCHES (default gluon_fused_bwd=0) are the A/B's switch rows, e.g. SWITCHES="state_pieces=1".
 set -u
 cases=${1:-"8,2048,16,16 1,32768,32,32"}
 modules="${BASE:+$BASE }generated/gated_delta_rule.py"

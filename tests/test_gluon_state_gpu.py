@@ -370,20 +370,6 @@ def test_fused_backward_adds_head_groups_itself(monkeypatch, shape, pieces):
     assert launches == [pieces * shape["B"]] * 2
 
 
-@pytest.mark.parametrize("shape, pieces", [
-    (dict(B=2, T=4096, H=2, HV=4), 1),           # dense sequences, grouped value heads
-    (dict(B=1, T=8192, H=2, HV=2), 4),           # one long sequence in pieces (their walks prefetch too)
-])
-def test_fused_backward_prefetch_changes_nothing(monkeypatch, shape, pieces):
-    """gdngen.runtime.gluon.fused_bwd_prefetch (off by default): the producer's L2 prefetches are hints, so every
-    gradient is bit for bit the same with them, on NaN-poisoned buffers."""
-    module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=30, K=128, V=128, h0=True, **shape)
-    _assert_switch_changes_no_bit(module, spec, inputs, "gluon_fused_prefetch", pieces, seed=31)
-    assert launches == [pieces * shape["B"]] * 2
-
-
 def test_fused_backward_of_one_long_sequence_runs_in_one_segment(monkeypatch):
     """The fused backward stores no chunk-end state gradients and no W, so one long sequence's backward runs in
     one time segment (gdngen.runtime.segments, fused_bwd=True): at (1,32768,32,32) one launch of the fused kernel

@@ -231,17 +231,6 @@ def fused_bwd_takes(spec_name: str, k: torch.Tensor, states, tmat, values) -> bo
             and fused_bwd_enabled(spec_name))
 
 
-def fused_bwd_prefetch(spec_name: str) -> bool:
-    """Whether the fused backward's producer asks L2 for the next chunk's tiles (``cp.async.bulk.prefetch.L2``,
-    row by row) a chunk before it sends for them into shared memory, each tile single-buffered and sent for only
-    once its last reader's step has passed (k, q, dO, T and V_new after step 5, their first readers in the next
-    chunk's steps 0-1): the loads then come from L2, not HBM. An experiment for (1,32768,32,32), where no two
-    programs share a q or k tile in L2 and a chunk takes ~17,700 cycles against ~16,800 at (4,8192,16,32) (stop
-    69, H100). Off until measured: ``override(spec, "gluon_fused_prefetch", value=True)``."""
-    forced = _OVERRIDES.get((spec_name, "gluon_fused_prefetch"))
-    return False if forced is None else bool(forced["value"])
-
-
 def fused_group_add(spec_name: str, group: int) -> bool:
     """Whether the fused backward adds the dq and dk tiles of a head group's ``group`` value heads into one
     [B, T, H, K] output itself (TMA reduce-add into zeros: gdngen.runtime.gluon.tma_add), instead of writing them
