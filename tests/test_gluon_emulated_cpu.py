@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from gdngen.runtime import gluon_emulator, override
+from gdngen.runtime import gluon, gluon_emulator, override
 from gdngen.runtime.gluon_emulator import GluonEmulationError, TensorDescriptor, async_copy, deadlock_after, gl, jit
 from gdngen.runtime.gluon_emulator import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from gdngen.selfcheck import (call, make_inputs, poisoned_memory, reference_gradients, reference_outputs, rel_rmse,
@@ -394,6 +394,62 @@ def test_forward_pass(emulated, dtype, shape, h0, pieces):
     assert rel_rmse(o, o_triton) <= 2 ** -10 and rel_rmse(ht, ht_triton) <= 1e-5
     o_ref, ht_ref = reference_outputs(spec, inputs, output_final_state=True)
     assert rel_rmse(o, o_ref) <= 5e-3 and rel_rmse(ht, ht_ref) <= 5e-3
+
+
+@pytest.mark.parametrize("shape, h0, pieces, dtype", [
+    (dict(B=1, T=512, H=1, HV=2), True, 4, torch.bfloat16),     # pieces: their walks read T too
+    (dict(B=2, T=256, H=2, HV=4), False, 1, torch.float16),     # dense sequences, grouped value heads
+])
+def test_forward_pass_with_compact_t(emulated, monkeypatch, shape, h0, pieces, dtype):
+    """A forward that keeps no states takes the wy stage's T compact (gdngen.runtime.gluon.compact_t_enabled, on
+    by default): the wy stage writes each block row's blocks on and left of the diagonal only, and the pass loads
+    each block row as a [16, 64] TMA box zero-filled past its region's columns. The compact buffer holds the
+    whole tiles' T exactly, and o and the final state are the whole tiles' bit for bit, with and without the
+    final state, on NaN-poisoned buffers. A training step's forward keeps the whole tiles (the backward reads
+    them)."""
+    module, _ = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=61, K=128, V=128, h0=h0, **shape)
+    given, original = [], module._state_output_gluon
+
+    def recording(k, q, v, tmat, *args, **kwargs):
+        given.append(tmat.clone() if tmat is not None else None)
+        return original(k, q, v, tmat, *args, **kwargs)
+    monkeypatch.setattr(module, "_state_output_gluon", recording)
+    runs = {}
+    for compact in (True, False):
+        given.clear()
+        with _switched(True, pieces, compact_t=compact):
+            o, ht = call(module, spec, inputs, output_final_state=True)
+            o_alone, _ = call(module, spec, inputs, output_final_state=False)
+            assert [t.dim() for t in given] == [1 if compact else 4] * 2
+            training_gradients(module, spec, inputs, seed=62)
+            assert given[2].dim() == 4                   # the training forward's T: whole tiles
+        runs[compact] = dict(o=o, ht=ht, o_alone=o_alone, t=given[0])
+    B, T, HV = shape["B"], shape["T"], shape["HV"]
+    whole = runs[False].pop("t")
+    assert torch.equal(gluon.expand_compact_t(runs[True].pop("t"), B, T, HV, 64), whole)
+    assert (whole.view(B, T // 64, 64, HV, 64).transpose(2, 3).triu(1) == 0).all()     # T's zeros, above the diagonal
+    for name, tiles in runs[False].items():
+        assert not tiles.isnan().any(), name
+        assert torch.equal(runs[True][name], tiles), name
+
+
+def test_compact_t_regions_are_the_tiles_block_rows():
+    """compact_t_regions / expand_compact_t: region i holds rows 16 i .. 16 i + 15 of each chunk's T, its first
+    16 (i + 1) columns, rows ordered (chunk, value head, row); the buffer is 10 / 16 of the whole tiles."""
+    B, T, HV, BT = 2, 128, 3, 64
+    chunks = B * T // BT
+    assert gluon.compact_t_size(chunks, HV, BT) == chunks * HV * BT * BT * 10 // 16
+    buffer = torch.arange(gluon.compact_t_size(chunks, HV, BT), dtype=torch.float32)
+    regions = gluon.compact_t_regions(buffer, chunks, HV, BT)
+    assert [tuple(r.shape) for r in regions] == [(chunks * HV * 16, 16 * (i + 1)) for i in range(4)]
+    assert sum(r.numel() for r in regions) == buffer.numel() and regions[-1][-1, -1] == buffer[-1]
+    full = gluon.expand_compact_t(buffer, B, T, HV, BT)
+    c, hv, r, i = 3, 1, 5, 2                         # chunk 3 (sequence 1's second), value head 1, row 16 * 2 + 5
+    row = full.view(chunks, BT, HV, BT)[c, 16 * i + r, hv]
+    assert torch.equal(row[:16 * (i + 1)], regions[i][(c * HV + hv) * 16 + r])
+    assert (row[16 * (i + 1):] == 0).all()
 
 
 @pytest.mark.parametrize("h0", [False, True])

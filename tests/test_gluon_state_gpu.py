@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from gdngen.runtime import override
+from gdngen.runtime import gluon, override
 from gdngen.selfcheck import call, make_inputs, poisoned_memory, reference_outputs, rel_rmse, training_gradients
 from gdngen.spec import load_spec
 
@@ -86,6 +86,41 @@ def test_gluon_pass_forming_t_itself(counted, wy_launches, dtype, shape, h0, pie
         assert not got.isnan().any()
         assert rel_rmse(got, got_wy) <= 2 ** -9
         assert rel_rmse(got, ref) <= min(TOL[dtype], 1.05 * rel_rmse(got_wy, ref))
+
+
+@pytest.mark.parametrize("shape, h0, pieces", [
+    (dict(B=1, T=8192, H=2, HV=4), True, 4),     # one long sequence in pieces: their walks read T too
+    (dict(B=3, T=2048, H=4, HV=8), False, 1),    # dense sequences, grouped value heads
+])
+def test_compact_t_changes_no_bit(monkeypatch, counted, shape, h0, pieces):
+    """gdngen.runtime.gluon.compact_t_enabled (on by default): the wy stage's T compact, each block row loaded as
+    a TMA box zero-filled past its region's columns. The compact buffer holds the whole tiles' T exactly, and o
+    and the final state (asked or not) are the whole tiles' bit for bit, on NaN-poisoned buffers."""
+    module, launches = counted
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=28, K=128, V=128, h0=h0, **shape)
+    given, counting = [], module._state_output_gluon
+
+    def recording(k, q, v, tmat, *args, **kwargs):
+        given.append(tmat.clone())
+        return counting(k, q, v, tmat, *args, **kwargs)
+    monkeypatch.setattr(module, "_state_output_gluon", recording)
+    runs = {}
+    for compact in (True, False):
+        given.clear()
+        with override(NAME, "compact_t", value=compact), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            o, ht = call(module, spec, inputs, output_final_state=True)
+            o_alone, _ = call(module, spec, inputs, output_final_state=False)
+        assert [t.dim() for t in given] == [1 if compact else 4] * 2
+        runs[compact] = dict(o=o, ht=ht, o_alone=o_alone, t=given[0])
+    assert launches == [pieces * shape["B"]] * 4
+    B, T, HV = shape["B"], shape["T"], shape["HV"]
+    whole = runs[False].pop("t")
+    assert torch.equal(gluon.expand_compact_t(runs[True].pop("t"), B, T, HV, 64), whole)
+    for name, tiles in runs[False].items():
+        assert not tiles.isnan().any(), name
+        assert torch.equal(runs[True][name], tiles), name
 
 
 def test_default_pieces_and_no_final_state(counted):

@@ -262,6 +262,58 @@ def fused_t_usable(spec_name: str, k_dtype: torch.dtype, t_dtype: torch.dtype) -
     return solve_precision(k_dtype, t_dtype) == "fp16"
 
 
+# Compact T (a forward that keeps no states): T = (I + A)^-1 is lower triangular, so of its [BT, BT] tile the
+# blocks above the diagonal are zeros that the wy stage wrote and the Gluon pass read back (3 of 8 KB a chunk and
+# value head at BT = 64). Stored compact, block row i of 16 rows keeps its 16 (i + 1) columns only, in region i of
+# one buffer: a contiguous [chunks * HV * 16, 16 (i + 1)] matrix, rows (chunk * HV + value head) * 16 + r. The
+# pass loads each block row as a [16, BT] TMA box from its region: the columns past 16 (i + 1) lie outside the
+# region's rows, and TMA fills them with zeros.
+COMPACT_T_ROWS = 16
+
+
+def compact_t_enabled(spec_name: str) -> bool:
+    """Whether a forward whose Gluon pass keeps no states (no grad) takes the wy stage's T compact (see
+    :func:`compact_t_regions`). On by default; ``override(spec, "compact_t", value=False)`` keeps the whole
+    [B, T, HV, BT] tiles (tests compare the two: every output bit for bit)."""
+    forced = _OVERRIDES.get((spec_name, "compact_t"))
+    return True if forced is None else bool(forced["value"])
+
+
+def compact_t_size(chunks: int, HV: int, BT: int) -> int:
+    """Elements of a compact T buffer for ``chunks`` whole chunks of ``HV`` value heads."""
+    blocks = BT // COMPACT_T_ROWS
+    return chunks * HV * COMPACT_T_ROWS * COMPACT_T_ROWS * blocks * (blocks + 1) // 2
+
+
+def compact_t_regions(buffer: torch.Tensor, chunks: int, HV: int, BT: int) -> list:
+    """The block-row regions of a compact T buffer: region i a [chunks * HV * 16, 16 (i + 1)] view, row
+    (chunk * HV + value head) * 16 + r holding row 16 i + r of that chunk's T, its columns 0 .. 16 (i + 1)."""
+    unit = chunks * HV * COMPACT_T_ROWS * COMPACT_T_ROWS
+    regions, offset = [], 0
+    for i in range(BT // COMPACT_T_ROWS):
+        width = COMPACT_T_ROWS * (i + 1)
+        regions.append(buffer[offset:offset + unit * (i + 1)].view(chunks * HV * COMPACT_T_ROWS, width))
+        offset += unit * (i + 1)
+    return regions
+
+
+def expand_compact_t(buffer: torch.Tensor, B: int, T: int, HV: int, BT: int) -> torch.Tensor:
+    """The [B, T, HV, BT] tiles a compact T buffer holds (zeros above the block diagonal), for tests."""
+    chunks = B * T // BT
+    full = torch.zeros(chunks, BT, HV, BT, dtype=buffer.dtype, device=buffer.device)
+    for i, region in enumerate(compact_t_regions(buffer, chunks, HV, BT)):
+        rows = region.view(chunks, HV, COMPACT_T_ROWS, -1).permute(0, 2, 1, 3)
+        full[:, COMPACT_T_ROWS * i:COMPACT_T_ROWS * (i + 1), :, :rows.shape[-1]] = rows
+    return full.view(B, T, HV, BT)
+
+
+def compact_t_descriptors(buffer: torch.Tensor, chunks: int, HV: int, BT: int) -> list:
+    """One TMA descriptor per block-row region of a compact T buffer, in [16, BT] boxes (zero-filled past the
+    region's columns)."""
+    return [row_descriptor(region, region.shape[1], [COMPACT_T_ROWS, BT])
+            for region in compact_t_regions(buffer, chunks, HV, BT)]
+
+
 def chunk_bwd_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, values: torch.Tensor,
                        h: torch.Tensor, *, K: int, V: int, BT: int, T: int) -> Optional[str]:
     """Why the backward's chunk stage over these dense inputs cannot run the Gluon kernel
