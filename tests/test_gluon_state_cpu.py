@@ -119,19 +119,25 @@ def _record_launches(monkeypatch, module, kernel):
     return calls
 
 
-@pytest.mark.parametrize("kept", [False, True])
-def test_pass_launch(monkeypatch, kept):
+@pytest.mark.parametrize("kept, compact", [(False, False), (True, False), (False, True)])
+def test_pass_launch(monkeypatch, kept, compact):
     """The forward pass's launch: one program per (sequence, value head), v and o in [BT, V / 2] boxes (one per
     chain warpgroup), h's [K, V / 2] and V_new's [BT, V / 2] in a forward for a backward, the registers shared
-    out between three warpgroups."""
+    out between three warpgroups. T in [BT, BT] boxes, or a 1-D T (compact: the driver's compact_t) as one
+    descriptor per block-row region, each over [chunks * HV * 16, 16 (i + 1)] rows in [16, BT] boxes (TMA
+    zero-fills the columns past the region's)."""
     if not gluon.AVAILABLE:
         pytest.skip("no Gluon")
     module = importlib.import_module("generated.gated_delta_rule")
     calls = _record_launches(monkeypatch, module, "_state_output_gluon_fast")
     B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
+    chunks = B * T // BT
     q = k = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
     v = o = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
-    tmat = torch.zeros(B, T, HV, BT, dtype=torch.float16)
+    if compact:
+        tmat = torch.zeros(gluon.compact_t_size(chunks, HV, BT), dtype=torch.float16)
+    else:
+        tmat = torch.zeros(B, T, HV, BT, dtype=torch.float16)
     beta_act = g_cum = torch.zeros(B, T, HV)
     h = torch.zeros(B, T // BT, HV, K, V, dtype=torch.bfloat16) if kept else None
     values = torch.zeros_like(v) if kept else None
@@ -140,36 +146,20 @@ def test_pass_launch(monkeypatch, kept):
     [(grid, args, kwargs)] = calls
     assert grid == (B * HV,) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == 168
     assert [args[i].block_shape for i in (2, 7)] == [[BT, V // 2], [BT, V // 2]]        # v and o boxes
-    assert args[3].block_shape == [BT, BT] and not kwargs["COMPACT_T"]                  # T's whole tiles
-    assert all(args[i] is args[7] for i in (4, 5, 6))                                   # (compact T's regions)
+    assert kwargs["COMPACT_T"] == compact and not kwargs["FUSED_T"]
+    if compact:                                                                         # T's regions
+        regions = [args[i] for i in (3, 4, 5, 6)]
+        assert [list(d.shape) for d in regions] == [[chunks * HV * 16, 16 * (i + 1)] for i in range(4)]
+        assert all(list(d.block_shape) == [16, BT] for d in regions)
+        assert [d.base.data_ptr() for d in regions] == [r.data_ptr()
+                                                        for r in gluon.compact_t_regions(tmat, chunks, HV, BT)]
+    else:                                                                               # T's whole tiles
+        assert args[3].block_shape == [BT, BT] and all(args[i] is args[7] for i in (4, 5, 6))
     assert kwargs["STORE_STATES"] == kept
     if kept:                                                                            # h and V_new boxes
         assert [args[i].block_shape for i in (8, 9)] == [[K, V // 2], [BT, V // 2]]
     # three warpgroups share 3 x 168 registers a thread: half 0's chain gets what the others leave
     assert 3 * 168 - kwargs["CHAIN_REGS"] - kwargs["SCORES_REGS"] >= kwargs["CHAIN_REGS"]
-
-
-def test_pass_launch_with_compact_t(monkeypatch):
-    """A 1-D T is compact (the driver's compact_t): the pass gets one descriptor per block-row region, each over
-    [chunks * HV * 16, 16 (i + 1)] rows in [16, BT] boxes (TMA zero-fills the columns past the region's)."""
-    if not gluon.AVAILABLE:
-        pytest.skip("no Gluon")
-    module = importlib.import_module("generated.gated_delta_rule")
-    calls = _record_launches(monkeypatch, module, "_state_output_gluon_fast")
-    B, T, H, HV, K, V, BT = 2, 128, 2, 4, 128, 128, 64
-    q = k = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
-    v = o = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
-    tmat = torch.zeros(gluon.compact_t_size(B * T // BT, HV, BT), dtype=torch.float16)
-    beta_act = g_cum = torch.zeros(B, T, HV)
-    module._state_output_gluon(k, q, v, tmat, o, beta_act, g_cum, None, None, None, 0.1, T, B, H, HV, K, V, BT,
-                               torch.bfloat16)
-    [(grid, args, kwargs)] = calls
-    assert kwargs["COMPACT_T"] and not kwargs["FUSED_T"]
-    regions = [args[i] for i in (3, 4, 5, 6)]
-    assert [list(d.shape) for d in regions] == [[B * T // BT * HV * 16, 16 * (i + 1)] for i in range(4)]
-    assert all(list(d.block_shape) == [16, BT] for d in regions)
-    assert [d.base.data_ptr() for d in regions] == [r.data_ptr() for r in
-                                                    gluon.compact_t_regions(tmat, B * T // BT, HV, BT)]
 
 
 @pytest.mark.parametrize("from_t", [False, True])
