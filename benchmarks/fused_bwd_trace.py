@@ -176,15 +176,22 @@ def summarise(trace: torch.Tensor, nt: int):
     return rows, statistics.median(chunk_cycles)
 
 
+def chunk_ends(trace: torch.Tensor):
+    """Each traced program's chunk ends (S's release from step 6) in cycles, [P, C], and how many it recorded
+    (its first ones)."""
+    ends = trace[:, :, 0, NSTEP - 1, 1].cpu().double()
+    return ends, (ends > 0).sum(1)
+
+
 def program_times(trace: torch.Tensor, ns: torch.Tensor) -> dict:
     """Across the traced programs, from each one's chunk ends (S's release from step 6) past its first chunk: the
     mean and spread of a chunk in cycles and in ns, and the clock (cycles over ns). A median chunk that does not
     add up to the kernel's time shows here: slow chunks between fast ones, slow programs, or a lower clock."""
-    ends = trace[:, :, 0, NSTEP - 1, 1].cpu().double()          # [P, C] cycles
+    ends, recorded = chunk_ends(trace)
     ns = ns.cpu().double()                                      # [P, C]
     per_chunk, per_chunk_ns, clocks, spans = [], [], [], []
     for p in range(ends.shape[0]):
-        n = int((ends[p] > 0).sum())                            # chunks recorded (its first n)
+        n = int(recorded[p])
         if n < 3:
             continue
         cyc, t = ends[p, 1:n].diff(), ns[p, 1:n].diff()
@@ -206,8 +213,7 @@ def program_times(trace: torch.Tensor, ns: torch.Tensor) -> dict:
 def slowest_programs(trace: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` traced programs whose recorded chunks took longest a chunk (S's releases from step 6, past the
     first chunk), slowest first."""
-    ends = trace[:, :, 0, NSTEP - 1, 1].cpu().double()
-    recorded = (ends > 0).sum(1)
+    ends, recorded = chunk_ends(trace)
     first, last = ends[:, 1], ends.gather(1, (recorded - 1).clamp(min=0)[:, None])[:, 0]
     per_chunk = torch.where(recorded > 2, (last - first) / (recorded - 2).clamp(min=1), torch.zeros_like(first))
     return per_chunk.argsort(descending=True)[:n]
