@@ -632,67 +632,6 @@ def test_fused_backward_adds_head_groups_itself(emulated, monkeypatch, heads, pi
             assert not torch.equal(grads[True][name], grads[False][name]), name    # the adds round: not the sum's
 
 
-def _t_readers(module, monkeypatch):
-    """Every T the forward pass and the fused backward are given (their fourth argument; its dimensions: 1 compact,
-    4 whole tiles), in call order, as (launcher, dimensions)."""
-    given = []
-    for name in ("_state_output_gluon", "_fused_bwd_gluon"):
-        original = getattr(module, name)
-
-        def recording(*args, _original=original, _name=name, **kwargs):
-            tmat = args[3]
-            given.append((_name, None if tmat is None else tmat.dim()))
-            return _original(*args, **kwargs)
-        monkeypatch.setattr(module, name, recording)
-    return given
-
-
-@pytest.mark.parametrize("shape, h0, pieces, dtype", [
-    (dict(B=1, T=512, H=1, HV=2), True, 4, torch.bfloat16),     # pieces: the Gluon walk reads the regions too
-    (dict(B=2, T=256, H=2, HV=4), False, 1, torch.float16),     # dense sequences, grouped value heads
-])
-def test_training_step_with_compact_t(emulated, monkeypatch, shape, h0, pieces, dtype):
-    """A forward for a backward that the fused kernel takes keeps T compact (gdngen.runtime.gluon.compact_t_kept):
-    the Triton walk of pieces, the pass and the fused backward's producer each load T's block rows from their
-    regions. Every output and gradient (dh0 included) is the whole tiles' bit for bit, on NaN-poisoned buffers."""
-    module, _ = emulated
-    given = _t_readers(module, monkeypatch)
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=dtype, device="cpu", seed=63, K=128, V=128, h0=h0, **shape)
-    runs = {}
-    for compact in (True, False):
-        given.clear()
-        with _switched(True, pieces, gluon_fused_bwd=True, compact_t=compact):
-            o, ht, grads, _ = training_gradients(module, spec, inputs, seed=64)
-        dims = 1 if compact else 4
-        assert given == [("_state_output_gluon", dims), ("_fused_bwd_gluon", dims)]
-        runs[compact] = dict(grads, o=o, ht=ht)
-    assert runs[True].keys() == runs[False].keys() and ("initial_state" in runs[True]) == h0
-    for name, whole in runs[False].items():
-        assert not whole.isnan().any(), name
-        assert torch.equal(runs[True][name], whole), name
-
-
-def test_a_compact_t_the_fused_backward_does_not_take_goes_back_to_whole_tiles(emulated, monkeypatch):
-    """A backward other than the fused kernel (here: turned off after the forward chose compact T) reads whole
-    tiles: the driver expands the compact T first, and every gradient is the whole-tile run's bit for bit."""
-    module, _ = emulated
-    given = _t_readers(module, monkeypatch)
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=65, K=128, V=128, h0=True, B=1, T=256,
-                         H=2, HV=2)
-    grads = {}
-    for compact in (True, False):
-        given.clear()
-        with _switched(True, 1), monkeypatch.context() as patch:
-            patch.setattr(module, "compact_t_kept", lambda *args, **kwargs: compact)
-            _, _, grads[compact], _ = training_gradients(module, spec, inputs, seed=66)
-        assert given == [("_state_output_gluon", 1 if compact else 4)]
-    for name, whole in grads[False].items():
-        assert not whole.isnan().any(), name
-        assert torch.equal(grads[True][name], whole), name
-
-
 def test_fused_backward_needs_no_time_segments(emulated, monkeypatch):
     """One long sequence's backward is cut into time segments for what it stores per token (gdngen.runtime.segments);
     the fused backward stores no state gradients and no W, so the module asks for segments with fused_bwd=True

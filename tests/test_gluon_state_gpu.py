@@ -405,28 +405,6 @@ def test_fused_backward_adds_head_groups_itself(monkeypatch, shape, pieces):
     assert launches == [pieces * shape["B"]] * 2
 
 
-@pytest.mark.parametrize("shape, pieces", [
-    (dict(B=2, T=4096, H=2, HV=4), 1),           # dense sequences, grouped value heads
-    (dict(B=1, T=8192, H=2, HV=2), 4),           # one long sequence in pieces: the Triton walk reads T too
-])
-def test_compact_t_for_the_fused_backward_changes_no_bit(monkeypatch, shape, pieces):
-    """A forward for a backward that the fused kernel takes keeps T compact (gdngen.runtime.gluon.compact_t_kept):
-    the wy stage writes the regions, and the Triton walk of pieces, the pass and the fused kernel's producer read
-    them. Every gradient is the whole tiles' bit for bit, on NaN-poisoned buffers; the fused kernel gets a 1-D T
-    with compact T on and whole tiles with it off."""
-    module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
-    given, counting = [], module._fused_bwd_gluon
-
-    def recording(q, k, v, tmat, *args, **kwargs):
-        given.append(tmat.dim())
-        return counting(q, k, v, tmat, *args, **kwargs)
-    monkeypatch.setattr(module, "_fused_bwd_gluon", recording)
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=30, K=128, V=128, h0=True, **shape)
-    _assert_switch_changes_no_bit(module, spec, inputs, "compact_t", pieces, seed=31)
-    assert given == [1, 4] and launches == [pieces * shape["B"]] * 2
-
-
 def test_fused_backward_of_one_long_sequence_runs_in_one_segment(monkeypatch):
     """The fused backward stores no chunk-end state gradients and no W, so one long sequence's backward runs in
     one time segment (gdngen.runtime.segments, fused_bwd=True): at (1,32768,32,32) one launch of the fused kernel

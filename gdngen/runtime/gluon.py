@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from gdngen.runtime.tma import memoised_row_descriptor
-from gdngen.runtime.tiles import _OVERRIDES, keep_values
+from gdngen.runtime.tiles import _OVERRIDES
 
 try:
     from triton.experimental import gluon
@@ -86,15 +86,13 @@ def _is_hopper(x: torch.Tensor) -> bool:
 
 
 def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int,
-                        BT: int, T: int, aligned: Optional[bool] = None) -> Optional[str]:
+                        BT: int, T: int) -> Optional[str]:
     """Why a fused forward state pass over these dense inputs cannot run the Gluon kernel, or None.
 
     It needs Gluon, a CUDA tensor on a Hopper GPU (wgmma is sm_90's; the CPU interpreter does not run
     Gluon), 16-bit inputs of one dtype, K = V = 128, 64-token chunks, T a multiple of the chunk and
-    16-byte aligned rows (TMA). ``aligned``: the base pointers' alignment where the caller knows it without
-    reading them (a fake tensor has none to read); None reads them. ``override(spec, "gluon_state",
-    value=False)`` keeps the Triton pass (tests compare the two); ``value=True`` does not force it past these
-    conditions."""
+    16-byte aligned rows (TMA). ``override(spec, "gluon_state", value=False)`` keeps the Triton pass
+    (tests compare the two); ``value=True`` does not force it past these conditions."""
     forced = _OVERRIDES.get((spec_name, "gluon_state"))
     if forced is not None and not forced["value"]:
         return "turned off (override)"
@@ -106,7 +104,7 @@ def state_pass_unusable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: tor
         return f"K={K}, V={V}: {STATE_PASS_K} and {STATE_PASS_V} only"
     if BT != STATE_PASS_BT or T % BT:
         return f"chunk {BT}, T={T}: whole {STATE_PASS_BT}-token chunks only"
-    if not (aligned if aligned is not None else all(t.data_ptr() % 16 == 0 for t in (q, k, v))):
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
         return "a base pointer not 16-byte aligned (TMA)"
     return _device_unusable(q)
 
@@ -167,7 +165,7 @@ def state_pass_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def state_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, *, K: int, V: int,
-                     BT: int, T: int, aligned: Optional[bool] = None) -> bool:
+                     BT: int, T: int) -> bool:
     """Whether the backward's reverse state pass runs the Gluon kernel (stages/backward_state_gluon.py.j2)
     over these dense inputs: under :func:`state_pass_unusable`'s conditions (``do`` in the values' place).
     ``override(spec, "gluon_state_bwd", value=False)`` keeps the Triton pass (tests compare the two);
@@ -175,7 +173,7 @@ def state_bwd_usable(spec_name: str, q: torch.Tensor, k: torch.Tensor, do: torch
     forced = _OVERRIDES.get((spec_name, "gluon_state_bwd"))
     if forced is not None and not forced["value"]:
         return False
-    return state_pass_unusable(spec_name, q, k, do, K=K, V=V, BT=BT, T=T, aligned=aligned) is None
+    return state_pass_unusable(spec_name, q, k, do, K=K, V=V, BT=BT, T=T) is None
 
 
 def w_from_t_enabled(spec_name: str) -> bool:
@@ -274,41 +272,17 @@ COMPACT_T_ROWS = 16
 
 
 def compact_t_enabled(spec_name: str) -> bool:
-    """Whether the wy stage writes T compact (see :func:`compact_t_regions`) where every reader of it can read
-    the regions: a forward whose Gluon pass keeps no states (no grad), and a forward for a backward that the
-    fused backward takes (:func:`compact_t_kept`). On by default; ``override(spec, "compact_t", value=False)``
-    keeps the whole [B, T, HV, BT] tiles (tests compare the two: every output and gradient bit for bit)."""
+    """Whether a forward whose Gluon pass keeps no states (no grad) takes the wy stage's T compact (see
+    :func:`compact_t_regions`). On by default; ``override(spec, "compact_t", value=False)`` keeps the whole
+    [B, T, HV, BT] tiles (tests compare the two: every output bit for bit)."""
     forced = _OVERRIDES.get((spec_name, "compact_t"))
     return True if forced is None else bool(forced["value"])
-
-
-def compact_t_kept(spec_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, K: int, V: int, BT: int,
-                   T: int, varlen: bool, has_decay: bool, aligned: Optional[bool] = None) -> bool:
-    """Whether a forward for a backward (the op's) keeps T compact: its Gluon pass runs (:func:`gluon_training`,
-    :func:`state_pass_usable`) off the wy stage's T (not :func:`fused_t_usable`; the Triton walk of pieces before
-    it reads the regions too), and the fused backward, which reads them as the pass does, is expected to take the backward (dense sequences, a decay, the Gluon
-    reverse pass's conditions with ``v`` in dO's place, W from T, V_new kept). Any other backward gets the whole tiles back
-    first (:func:`expand_compact_t`): correct, one more pass over T. The op's fake asks the same (``aligned``:
-    True, a fake tensor has no address), so its T has the shape the forward's has. ~-1.4% of a training step
-    at (1,32768,32,32) expected (benchmarks/NOTES.md, stop 71): 3 of T's 8 KB a chunk and value head go from the
-    wy stage's writes and the pass's reads."""
-    return (compact_t_enabled(spec_name) and not varlen and has_decay and gluon_training(spec_name)
-            and state_pass_unusable(spec_name, q, k, v, K=K, V=V, BT=BT, T=T, aligned=aligned) is None
-            and not fused_t_usable(spec_name, k.dtype, k.dtype) and fused_bwd_enabled(spec_name)
-            and w_from_t_enabled(spec_name) and keep_values(spec_name)
-            and state_bwd_usable(spec_name, q, k, v, K=K, V=V, BT=BT, T=T, aligned=aligned))
 
 
 def compact_t_size(chunks: int, HV: int, BT: int) -> int:
     """Elements of a compact T buffer for ``chunks`` whole chunks of ``HV`` value heads."""
     blocks = BT // COMPACT_T_ROWS
     return chunks * HV * COMPACT_T_ROWS * COMPACT_T_ROWS * blocks * (blocks + 1) // 2
-
-
-def compact_t_unit(buffer: torch.Tensor, BT: int) -> int:
-    """Elements of region 0 of a compact T buffer (one [16, 16] block a chunk and value head); region i starts at
-    i (i + 1) / 2 of these (the Triton walk's offsets)."""
-    return buffer.numel() // compact_t_size(1, 1, BT) * COMPACT_T_ROWS * COMPACT_T_ROWS
 
 
 def compact_t_regions(buffer: torch.Tensor, chunks: int, HV: int, BT: int) -> list:
@@ -324,8 +298,7 @@ def compact_t_regions(buffer: torch.Tensor, chunks: int, HV: int, BT: int) -> li
 
 
 def expand_compact_t(buffer: torch.Tensor, B: int, T: int, HV: int, BT: int) -> torch.Tensor:
-    """The [B, T, HV, BT] tiles a compact T buffer holds (zeros above the block diagonal): for tests, and for a
-    backward other than the fused one (or one in time segments, which cut T by tokens)."""
+    """The [B, T, HV, BT] tiles a compact T buffer holds (zeros above the block diagonal), for tests."""
     chunks = B * T // BT
     full = torch.zeros(chunks, BT, HV, BT, dtype=buffer.dtype, device=buffer.device)
     for i, region in enumerate(compact_t_regions(buffer, chunks, HV, BT)):
