@@ -405,6 +405,31 @@ def test_fused_backward_adds_head_groups_itself(monkeypatch, shape, pieces):
     assert launches == [pieces * shape["B"]] * 2
 
 
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=2, T=4096, H=2, HV=4), 1),           # dense sequences, grouped value heads
+    (dict(B=1, T=8192, H=2, HV=2), 4),           # one long sequence in pieces
+])
+def test_fused_backward_column_sums_on_tensor_cores(monkeypatch, shape, pieces):
+    """gdngen.runtime.gluon.fused_colsum_mma (off by default until measured): d(cumsum g)'s column sum on the
+    tensor cores, into a second dg slot. Every other gradient is the column reduction's bit for bit, g within
+    float32 roundings of it, none NaN, on NaN-poisoned buffers."""
+    module, launches = _counting(monkeypatch, "_fused_bwd_gluon")
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cuda", seed=32, K=128, V=128, h0=True, **shape)
+    runs = {}
+    for mma in (True, False):
+        with override(NAME, "gluon_fused_colsum_mma", value=mma), override(NAME, "state_pieces", value=pieces), \
+                poisoned_memory():
+            _, _, runs[mma] = _forward_backward(module, spec, inputs, seed=33)
+    assert launches == [pieces * shape["B"]] * 2
+    for name, grad in runs[False].items():
+        assert not runs[True][name].isnan().any() and not grad.isnan().any(), name
+        if name == "g":
+            assert rel_rmse(runs[True][name], grad) <= 1e-5
+        else:
+            assert torch.equal(runs[True][name], grad), name
+
+
 def test_fused_backward_of_one_long_sequence_runs_in_one_segment(monkeypatch):
     """The fused backward stores no chunk-end state gradients and no W, so one long sequence's backward runs in
     one time segment (gdngen.runtime.segments, fused_bwd=True): at (1,32768,32,32) one launch of the fused kernel
