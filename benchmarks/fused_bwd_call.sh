@@ -13,7 +13,8 @@
 # (switch gluon_fused_bwd=0); with BASE=path/to/an/older/rendering.py (carried: variant_tmp/, e.g. made by
 # `git show <commit>:generated/gated_delta_rule.py > variant_tmp/gdr_base.py`) that module comes first; BASE may
 # name several, in order. AB_SECONDS (default 150) is the A/B's time limit: ~45 s a module on a fresh machine.
-# SWITCHES (default gluon_fused_bwd=0) are the A/B's switch rows, e.g. SWITCHES="state_pieces=1".
+# SWITCHES (default gluon_fused_bwd=0) are the A/B's switch rows, e.g. SWITCHES="state_pieces=1"; the trace runs
+# TRACE_CASES (default 8,2048,16,16) with TRACE_SWITCHES set (comma-separated, e.g. "gluon_fused_colsum_mma=1").
 set -u
 cases=${1:-"8,2048,16,16 1,32768,32,32"}
 modules="${BASE:+$BASE }generated/gated_delta_rule.py"
@@ -21,7 +22,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader > "$
 case $(cat "$OUT/gpu.txt") in *H200*) card=h200;; *) card=h100;; esac
 timeout ${AB_SECONDS:-150} python benchmarks/module_ab.py --modules "$modules" --switches "${SWITCHES:-gluon_fused_bwd=0}" \
     --cases "$cases" --profile --profile-rounds 3 --out "$OUT/$card-fused-ab.jsonl" > "$OUT/ab.log" 2>&1
-timeout 90 python benchmarks/fused_bwd_trace.py --cases "8,2048,16,16" --out "$OUT" > "$OUT/$card-trace.txt" 2>&1
+timeout 90 python benchmarks/fused_bwd_trace.py --cases "${TRACE_CASES:-8,2048,16,16}" --switches "${TRACE_SWITCHES:-}" \
+    --out "$OUT" > "$OUT/$card-trace.txt" 2>&1
 timeout 180 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k fused_backward -p no:cacheprovider \
     > "$OUT/$card-fused-gpu-tests.txt" 2>&1
 cat "$OUT/gpu.txt"

@@ -15,6 +15,7 @@ its step. The copy is a measuring instrument: the module under test is not chang
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -235,6 +236,8 @@ def main():
     parser.add_argument("--programs", type=int, default=4)
     parser.add_argument("--marks", default="", help='probe points, ";"-separated "S|K|A:text of a line"')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--switches", default="", help='override switches set while tracing, e.g. '
+                        '"gluon_fused_colsum_mma=1" (comma-separated name=0|1)')
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs, load_module
     from benchmarks.tuner_timing_check import kernel_times
@@ -264,7 +267,11 @@ def main():
             o.backward(do)
 
         kernel_us = {}
-        with override("gated_delta_rule", "gluon_fused_bwd", value=True):
+        with contextlib.ExitStack() as switched:
+            for item in filter(None, args.switches.split(",")):
+                name, value = item.split("=")
+                switched.enter_context(override("gated_delta_rule", name, value=bool(int(value))))
+            switched.enter_context(override("gated_delta_rule", "gluon_fused_bwd", value=True))
             for label, module in modules.items():
                 step(module)                                   # compile
                 kernel_us[label] = kernel_times(lambda module=module: step(module), reps=10, grad=True).get(
