@@ -22,8 +22,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader > "$
 case $(cat "$OUT/gpu.txt") in *H200*) card=h200;; *) card=h100;; esac
 timeout ${AB_SECONDS:-150} python benchmarks/module_ab.py --modules "$modules" --switches "${SWITCHES:-gluon_fused_bwd=0}" \
     --cases "$cases" --profile --profile-rounds 3 --out "$OUT/$card-fused-ab.jsonl" > "$OUT/ab.log" 2>&1
-timeout 90 python benchmarks/fused_bwd_trace.py --cases "${TRACE_CASES:-8,2048,16,16}" --switches "${TRACE_SWITCHES:-}" \
-    --out "$OUT" > "$OUT/$card-trace.txt" 2>&1
+timeout 90 python benchmarks/fused_bwd_trace.py --cases "${TRACE_CASES:-8,2048,16,16}" \
+    --switches "${TRACE_SWITCHES:-}" --out "$OUT" > "$OUT/$card-trace.txt" 2>&1
 timeout 180 python -m pytest -q -m gpu tests/test_gluon_state_gpu.py -k fused_backward -p no:cacheprovider \
     > "$OUT/$card-fused-gpu-tests.txt" 2>&1
 cat "$OUT/gpu.txt"
