@@ -14,7 +14,7 @@
 # `git show <commit>:generated/gated_delta_rule.py > variant_tmp/gdr_base.py`) that module comes first; BASE may
 # name several, in order. AB_SECONDS (default 150) is the A/B's time limit: ~45 s a module on a fresh machine.
 # SWITCHES (default gluon_fused_bwd=0) are the A/B's switch rows, e.g. SWITCHES="state_pieces=1"; the trace runs
-# TRACE_CASES (default 8,2048,16,16) with TRACE_SWITCHES set (comma-separated, e.g. "gluon_fused_colsum_mma=1").
+# TRACE_CASES (default 8,2048,16,16) with TRACE_SWITCHES set (comma-separated, e.g. "gluon_fused_bwd=0").
 set -u
 cases=${1:-"8,2048,16,16 1,32768,32,32"}
 modules="${BASE:+$BASE }generated/gated_delta_rule.py"

@@ -237,7 +237,7 @@ def main():
     parser.add_argument("--marks", default="", help='probe points, ";"-separated "S|K|A:text of a line"')
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--switches", default="", help='override switches set while tracing, e.g. '
-                        '"gluon_fused_colsum_mma=1" (comma-separated name=0|1)')
+                        '"gluon_fused_bwd=0" (comma-separated name=0|1)')
     args = parser.parse_args()
     from benchmarks.fused_probe import inputs, load_module
     from benchmarks.tuner_timing_check import kernel_times

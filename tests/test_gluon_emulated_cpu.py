@@ -632,36 +632,6 @@ def test_fused_backward_adds_head_groups_itself(emulated, monkeypatch, heads, pi
             assert not torch.equal(grads[True][name], grads[False][name]), name    # the adds round: not the sum's
 
 
-@pytest.mark.parametrize("shape, pieces", [
-    (dict(B=2, T=256, H=2, HV=2), 1),            # dense sequences, dh0
-    (dict(B=1, T=512, H=1, HV=2), 4),            # pieces: each walks on over the chunks after it first
-])
-@pytest.mark.parametrize("at_issue", [False, True])
-def test_fused_backward_column_sums_on_tensor_cores(emulated, shape, pieces, at_issue):
-    """gdngen.runtime.gluon.fused_colsum_mma: d(cumsum g)'s column sum as ones times diag(beta) M in two 16-bit
-    halves (two more products in A's step 1, a second dg slot the gates stage adds). Every other gradient is the
-    column reduction's bit for bit and g within float32 roundings of it (read: rel. 7.5e-7 / 4.5e-7), as close to
-    float64, on NaN-poisoned buffers; a tile of N read before its halves are there would be NaN or race here."""
-    module, launches = emulated
-    spec = load_spec(f"specs/{NAME}.yaml")
-    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=51, K=128, V=128, h0=True, **shape)
-    grads = {}
-    for mma in (True, False):
-        launches["_fused_bwd_gluon"].clear()
-        with _switched(True, pieces, gluon_fused_bwd=True, gluon_fused_colsum_mma=mma), \
-                (gluon_emulator.loads_land_at_issue() if at_issue else contextlib.nullcontext()):
-            grads[mma], cotangents = _forward_backward(module, spec, inputs, seed=52)
-        assert launches["_fused_bwd_gluon"] == [pieces * shape["B"]]
-    _, _, want = reference_gradients(spec, inputs, cotangents)
-    for name in want:
-        assert not grads[True][name].isnan().any(), name
-        if name == "g":
-            assert rel_rmse(grads[True][name], grads[False][name]) <= 1e-5
-            assert rel_rmse(grads[True][name], want[name]) <= 1.01 * rel_rmse(grads[False][name], want[name])
-        else:
-            assert torch.equal(grads[True][name], grads[False][name]), name
-
-
 def test_fused_backward_needs_no_time_segments(emulated, monkeypatch):
     """One long sequence's backward is cut into time segments for what it stores per token (gdngen.runtime.segments);
     the fused backward stores no state gradients and no W, so the module asks for segments with fused_bwd=True

@@ -231,16 +231,6 @@ def fused_bwd_takes(spec_name: str, k: torch.Tensor, states, tmat, values) -> bo
             and fused_bwd_enabled(spec_name))
 
 
-def fused_colsum_mma(spec_name: str) -> bool:
-    """Whether the fused backward forms the column sum in d(cumsum g), colsum(diag(beta) M) with M = G * KK^T, on
-    the tensor cores (1^T N, N = diag(beta) M in two 16-bit halves through two free tiles) and writes it to a dg
-    slot of its own, instead of summing M's columns across the A consumer's warps in its step 1 (stop 71: a sum
-    across a consumer's warps cost ~750 cycles of K's step 3; stop 69: A's sums ~2,500). Built at stop 71 after the
-    device time ran out: off until measured; ``override(spec, "gluon_fused_colsum_mma", value=True)``."""
-    forced = _OVERRIDES.get((spec_name, "gluon_fused_colsum_mma"))
-    return False if forced is None else bool(forced["value"])
-
-
 def fused_group_add(spec_name: str, group: int) -> bool:
     """Whether the fused backward adds the dq and dk tiles of a head group's ``group`` value heads into one
     [B, T, H, K] output itself (TMA reduce-add into zeros: gdngen.runtime.gluon.tma_add), instead of writing them
