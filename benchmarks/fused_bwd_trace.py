@@ -133,12 +133,14 @@ def traced_source(source: str, address: int, programs: int, chunks: int, marks=(
 
 
 def mark_steps(traced: str, marks) -> list:
-    """Each mark's step: the meets before its probe in its consumer's body."""
+    """Each mark's step: the steps that end before its probe in its consumer's body (counted once where both
+    branches of a constexpr choice end them, the S consumer's steps 4-5; a mark inside those branches is not
+    supported)."""
     steps = []
     for m, (who, _) in enumerate(marks):
         body = traced[traced.index(f"def {CONSUMERS[who]}("):]
         body = body[:body.index(f"_fused_mark({who}, {m}, i)")]
-        steps.append(body.count("_fused_meet_traced(steps,") + body.count("_fused_arrive_traced(steps,"))
+        steps.append(len(set(re.findall(r"_fused_(?:meet|arrive)_traced\(steps, (\d)", body))))
     return steps
 
 

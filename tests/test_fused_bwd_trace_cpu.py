@@ -63,13 +63,13 @@ def test_summary_takes_the_last_arrival_and_the_previous_release():
 
 def test_marks_go_before_their_lines_and_know_their_step():
     from benchmarks.fused_bwd_trace import mark_steps
-    marks = [(1, "b_x = b_x * b_ku[:, None]"), (2, "drr_s.store"), (0, "b_ds = warpgroup_mma_wait(0")]
+    marks = [(1, "b_x = b_x * b_ku[:, None]"), (2, "drr_s.store"), (0, "vec_s.index(3).store(b_g_next")]
     traced = traced_source(MODULE.read_text(), 1, 2, 8, marks, mark_address=2)
     lines = traced.splitlines()
     for m, (who, text) in enumerate(marks):
         at = next(j for j, line in enumerate(lines) if f"_fused_mark({who}, {m}, i)" in line)
         assert text in lines[at + 1] and lines[at].startswith(lines[at + 1][:8])
-    assert mark_steps(traced, marks) == [0, 2, 5]
+    assert mark_steps(traced, marks) == [0, 2, 6]     # S's steps 4-5 end in both branches of GROUP_ADD
     with pytest.raises(ValueError, match="no line of _fused_keys"):
         traced_source(MODULE.read_text(), 1, 2, 8, [(1, "not a line of it")], 2)
 
