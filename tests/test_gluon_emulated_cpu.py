@@ -632,6 +632,38 @@ def test_fused_backward_adds_head_groups_itself(emulated, monkeypatch, heads, pi
             assert not torch.equal(grads[True][name], grads[False][name]), name    # the adds round: not the sum's
 
 
+@pytest.mark.parametrize("shape, pieces", [
+    (dict(B=2, T=256, H=2, HV=2), 1),            # dense sequences, dh0
+    (dict(B=1, T=512, H=2, HV=2), 4),            # pieces: each walks on over the chunks after it first
+    (dict(B=1, T=256, H=1, HV=2), 1),            # a head group's adds: the other load order (GROUP_ADD)
+])
+@pytest.mark.parametrize("at_issue", [False, True])
+def test_fused_backward_column_sums_in_the_state_consumer(emulated, shape, pieces, at_issue):
+    """gdngen.runtime.gluon.fused_colsum_state: d(cumsum g)'s column sum by the S consumer in the next chunk's step
+    1, from N = diag(beta) M in two bfloat16 halves (a second dg slot the gates stage adds); A's other sums in its
+    own step 5. Every other gradient is the A consumer's column reduction's bit for bit, g within float32 roundings
+    of it and as close to float64, none NaN on NaN-poisoned buffers; a half of N read before it is there, or after
+    A writes its tile again, is NaN or a race here."""
+    module, launches = emulated
+    spec = load_spec(f"specs/{NAME}.yaml")
+    inputs = make_inputs(spec, dtype=torch.bfloat16, device="cpu", seed=53, K=128, V=128, h0=True, **shape)
+    grads = {}
+    for state in (True, False):
+        launches["_fused_bwd_gluon"].clear()
+        with _switched(True, pieces, gluon_fused_bwd=True, gluon_fused_colsum_state=state), \
+                (gluon_emulator.loads_land_at_issue() if at_issue else contextlib.nullcontext()):
+            grads[state], cotangents = _forward_backward(module, spec, inputs, seed=54)
+        assert launches["_fused_bwd_gluon"] == [pieces * shape["B"]]
+    _, _, want = reference_gradients(spec, inputs, cotangents)
+    for name in want:
+        assert not grads[True][name].isnan().any(), name
+        if name == "g":
+            assert rel_rmse(grads[True][name], grads[False][name]) <= 1e-5
+            assert rel_rmse(grads[True][name], want[name]) <= 1.01 * rel_rmse(grads[False][name], want[name])
+        else:
+            assert torch.equal(grads[True][name], grads[False][name]), name
+
+
 def test_fused_backward_needs_no_time_segments(emulated, monkeypatch):
     """One long sequence's backward is cut into time segments for what it stores per token (gdngen.runtime.segments);
     the fused backward stores no state gradients and no W, so the module asks for segments with fused_bwd=True

@@ -231,6 +231,18 @@ def fused_bwd_takes(spec_name: str, k: torch.Tensor, states, tmat, values) -> bo
             and fused_bwd_enabled(spec_name))
 
 
+def fused_colsum_state(spec_name: str) -> bool:
+    """Whether the fused backward's S consumer forms d(cumsum g)'s column sum, colsum(diag(beta) M) with
+    M = G * KK^T, in its idle step 1 from N = diag(beta) M, which the A consumer leaves in two bfloat16 halves in
+    its step 6, and writes it to a dg slot of its own; instead of the A consumer summing M's columns across its
+    warps in the next chunk's step 1 (~1,500-1,900 cycles of that step at (1,32768,32,32), stops 69-72). Its
+    first form lost on an H100 (stop 73: 1305.4 -> 1337.1 us at (1,32768,32,32)), where S's global store sat
+    before its arrival's fence and A's N stores in step 5; this form, with both moved, is off until measured:
+    ``override(spec, "gluon_fused_colsum_state", value=True)``."""
+    forced = _OVERRIDES.get((spec_name, "gluon_fused_colsum_state"))
+    return False if forced is None else bool(forced["value"])
+
+
 def fused_group_add(spec_name: str, group: int) -> bool:
     """Whether the fused backward adds the dq and dk tiles of a head group's ``group`` value heads into one
     [B, T, H, K] output itself (TMA reduce-add into zeros: gdngen.runtime.gluon.tma_add), instead of writing them
