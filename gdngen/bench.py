@@ -517,16 +517,24 @@ def run_bench(spec, plan: list[tuple[Case, tuple[str, ...]]], impls: dict[str, C
 
 
 def format_table(rows: list[dict]) -> str:
+    """The rows as a text table. Its notes give each peer's time as a multiple of gdngen's at the same mode and
+    shape, the share of the roofline floor a row reaches (floor / ms, where the floor is known), the SM clock and
+    any power cap."""
     lines = [f"{'mode':<8} {'impl':<9} {'case (B,T,H,HV,K,V)':<28} {'ms':>9} {'Mtok/s':>9} {'peak MiB':>9} "
              f"{'first s':>8}  note"]
+    ours = {(r["mode"], r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"]): r["ms"] for r in rows
+            if r["impl"] == "gdngen" and r.get("ms")}
     for r in rows:
         shape = f"{r['B']},{r['T']},{r['H']},{r['HV']},{r['K']},{r['V']}"
+        mine = ours.get((r["mode"], r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"]))
         ms = f"{r['ms']:9.3f}" if r.get("ms") is not None else f"{'-':>9}"
         tps = f"{r['tokens_per_s'] / 1e6:9.2f}" if r.get("tokens_per_s") else f"{'-':>9}"
         peak = f"{r['peak_mib']:9.0f}" if r.get("peak_mib") is not None else f"{'-':>9}"
         first = f"{r['first_call_s']:8.2f}" if r.get("first_call_s") is not None else f"{'-':>8}"
         note = r.get("error", "")[:60] or "; ".join(
-            ([f"floor {r['floor_ms']:.3f} ms"] if r.get("floor_ms") else [])
+            ([f"{r['ms'] / mine:.2f}x gdngen's time"] if mine and r["impl"] != "gdngen" and r.get("ms") else [])
+            + ([f"floor {r['floor_ms']:.3f} ms ({r['floor_ms'] / r['ms']:.0%} of it)"]
+               if r.get("floor_ms") and r.get("ms") else [])
             + ([f"SM {r['sm_mhz']:.0f} MHz (min {r['sm_mhz_min']:.0f})"] if r.get("sm_mhz") else [])
             + ([f"power-capped {r['power_capped']:.0%}"] if r.get("power_capped") else []))
         lines.append(f"{r['mode']:<8} {r['impl']:<9} {shape:<28} {ms} {tps} {peak} {first}  {note}")

@@ -234,3 +234,17 @@ def test_rows_carry_the_clock_they_were_timed_at(tmp_path):
     assert (second["sm_mhz"], second["sm_mhz_min"], second["power_capped"]) == (1500.0, 1500.0, 1.0)  # 2.0-3.0 s
     table = bench.format_table(rows.rows)
     assert "SM 1845 MHz (min 1710); power-capped 50%" in table and "SM 1500 MHz (min 1500); power-capped 100%" in table
+
+
+def test_the_table_gives_each_peer_as_a_multiple_of_gdngen_and_the_floor_reached():
+    shape = dict(B=1, T=32768, H=32, HV=32, K=128, V=128)
+    rows = [dict(mode="fwd", impl="gdngen", ms=0.5, floor_ms=0.25, **shape),
+            dict(mode="fwd", impl="flashqla", ms=0.65, floor_ms=0.25, **shape),
+            dict(mode="fwd+bwd", impl="flashqla", ms=2.8, **shape),                 # no gdngen row of its mode
+            dict(mode="fwd", impl="fla", ms=None, error="RuntimeError: out of memory", **shape)]
+    lines = bench.format_table(rows).splitlines()[1:]
+    assert "floor 0.250 ms (50% of it)" in lines[0] and "gdngen's time" not in lines[0]
+    assert "1.30x gdngen's time; floor 0.250 ms (38% of it)" in lines[1]
+    assert "gdngen's time" not in lines[2] and "floor" not in lines[2]
+    assert "out of memory" in lines[3]
+
