@@ -522,11 +522,12 @@ def format_table(rows: list[dict]) -> str:
     any power cap."""
     lines = [f"{'mode':<8} {'impl':<9} {'case (B,T,H,HV,K,V)':<28} {'ms':>9} {'Mtok/s':>9} {'peak MiB':>9} "
              f"{'first s':>8}  note"]
-    ours = {(r["mode"], r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"]): r["ms"] for r in rows
-            if r["impl"] == "gdngen" and r.get("ms")}
+    def key(r):
+        return r["mode"], r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"]
+    ours = {key(r): r["ms"] for r in rows if r["impl"] == "gdngen" and r.get("ms")}
     for r in rows:
         shape = f"{r['B']},{r['T']},{r['H']},{r['HV']},{r['K']},{r['V']}"
-        mine = ours.get((r["mode"], r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"]))
+        mine = ours.get(key(r))
         ms = f"{r['ms']:9.3f}" if r.get("ms") is not None else f"{'-':>9}"
         tps = f"{r['tokens_per_s'] / 1e6:9.2f}" if r.get("tokens_per_s") else f"{'-':>9}"
         peak = f"{r['peak_mib']:9.0f}" if r.get("peak_mib") is not None else f"{'-':>9}"

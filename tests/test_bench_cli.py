@@ -247,4 +247,3 @@ def test_the_table_gives_each_peer_as_a_multiple_of_gdngen_and_the_floor_reached
     assert "1.30x gdngen's time; floor 0.250 ms (38% of it)" in lines[1]
     assert "gdngen's time" not in lines[2] and "floor" not in lines[2]
     assert "out of memory" in lines[3]
-
